@@ -1,0 +1,21 @@
+"""rollout: exact, fast, unkillable RL rollouts on transformers' continuous-batching engine."""
+
+from .batch import RolloutBatch
+from .config import WorkerConfig
+from .sampling import SamplingParams
+from .worker import RolloutWorker
+
+__version__ = "0.1.0"
+__all__ = ["RolloutBatch", "RolloutFleet", "RolloutWorker", "SamplingParams", "WorkerConfig", "score"]
+
+
+def __getattr__(name: str):
+    if name == "RolloutFleet":  # imports Ray lazily
+        from .fleet import RolloutFleet
+
+        return RolloutFleet
+    if name == "score":
+        from .scoring import score
+
+        return score
+    raise AttributeError(f"module 'rollout' has no attribute {name!r}")

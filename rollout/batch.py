@@ -1,0 +1,125 @@
+"""RolloutBatch: the result of one `generate` call, one row per sample, prompt-major.
+
+Rows are ordered prompt by prompt (all samples of prompt 0, then prompt 1, ...). Tensors are right-padded to the
+longest completion; `completion_mask` marks real tokens. Padding positions hold `pad_token_id` in
+`completion_ids` and 0.0 in both logprob tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One finished sample, before batching."""
+
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    sampling_logprobs: list[float]
+    finish_reason: str
+    policy_version: int
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """prompt_ids: list of R prompt token lists (one per row).
+    prompt_index: (R,) int64, which input prompt each row answers.
+    completion_ids: (R, T) int64, right-padded.
+    completion_mask: (R, T) bool.
+    completion_lengths: (R,) int64.
+    logprobs: (R, T) float32, log p(token) under log_softmax(logits / T) over the full vocabulary (T = 1 for
+        greedy rows): what a trainer's plain forward recomputes.
+    sampling_logprobs: (R, T) float32, log p(token) under the distribution actually sampled from (after top-k /
+        top-p truncation; 0.0 for greedy rows, a point mass).
+    finish_reason: R strings, "stop" (a stop token ended the row; it is the last completion token) or "length".
+    policy_version: (R,) int64, the weights version that produced each row.
+    """
+
+    prompt_ids: list[list[int]]
+    prompt_index: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    completion_lengths: torch.Tensor
+    logprobs: torch.Tensor
+    sampling_logprobs: torch.Tensor
+    finish_reason: list[str]
+    policy_version: torch.Tensor
+    sample_index: torch.Tensor
+    tokenizer: Any = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[Row], pad_token_id: int = 0, tokenizer: Any = None) -> "RolloutBatch":
+        width = max((len(r.completion_ids) for r in rows), default=0)
+        num = len(rows)
+        ids = torch.full((num, width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros((num, width), dtype=torch.bool)
+        logprobs = torch.zeros((num, width), dtype=torch.float32)
+        sampling = torch.zeros((num, width), dtype=torch.float32)
+        for i, row in enumerate(rows):
+            length = len(row.completion_ids)
+            ids[i, :length] = torch.tensor(row.completion_ids, dtype=torch.long)
+            mask[i, :length] = True
+            logprobs[i, :length] = torch.tensor(row.logprobs, dtype=torch.float32)
+            sampling[i, :length] = torch.tensor(row.sampling_logprobs, dtype=torch.float32)
+        return cls(
+            prompt_ids=[list(r.prompt_ids) for r in rows],
+            prompt_index=torch.tensor([r.prompt_index for r in rows], dtype=torch.long),
+            completion_ids=ids,
+            completion_mask=mask,
+            completion_lengths=mask.sum(dim=1),
+            logprobs=logprobs,
+            sampling_logprobs=sampling,
+            finish_reason=[r.finish_reason for r in rows],
+            policy_version=torch.tensor([r.policy_version for r in rows], dtype=torch.long),
+            sample_index=torch.tensor([r.sample_index for r in rows], dtype=torch.long),
+            tokenizer=tokenizer,
+        )
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Completion tokens in the batch (padding excluded)."""
+        return int(self.completion_lengths.sum())
+
+    def rows(self) -> list[Row]:
+        """The batch back as rows (e.g. to merge batches from several workers)."""
+        out = []
+        for i in range(len(self)):
+            length = int(self.completion_lengths[i])
+            out.append(Row(
+                prompt_index=int(self.prompt_index[i]), sample_index=int(self.sample_index[i]),
+                prompt_ids=self.prompt_ids[i], completion_ids=self.completion_ids[i, :length].tolist(),
+                logprobs=self.logprobs[i, :length].tolist(),
+                sampling_logprobs=self.sampling_logprobs[i, :length].tolist(),
+                finish_reason=self.finish_reason[i], policy_version=int(self.policy_version[i])))
+        return out
+
+    def completion_token_lists(self) -> list[list[int]]:
+        return [self.completion_ids[i, : int(n)].tolist() for i, n in enumerate(self.completion_lengths)]
+
+    def completion_texts(self, tokenizer: Any = None, skip_special_tokens: bool = True) -> list[str]:
+        """Decode each row's completion; needs a tokenizer (given here or known to the worker)."""
+        tok = self._tokenizer(tokenizer)
+        return tok.batch_decode(self.completion_token_lists(), skip_special_tokens=skip_special_tokens)
+
+    def prompt_texts(self, tokenizer: Any = None, skip_special_tokens: bool = False) -> list[str]:
+        tok = self._tokenizer(tokenizer)
+        return tok.batch_decode(self.prompt_ids, skip_special_tokens=skip_special_tokens)
+
+    def _tokenizer(self, tokenizer: Any) -> Any:
+        tok = tokenizer if tokenizer is not None else self.tokenizer
+        if tok is None:
+            raise ValueError("tokenizer=None is invalid: decoding needs a tokenizer. Fix: pass tokenizer=... here or "
+                             "to RolloutWorker.")
+        return tok

@@ -1,0 +1,279 @@
+"""Engine: one persistent transformers continuous-batching manager, made exact and unkillable.
+
+The engine knows token ids and SamplingParams, nothing about tokenizers or trainers. It
+- owns its `ContinuousBatchingManager` (built once, started once, sized by WorkerConfig, never cached on the model);
+- plugs in the hooks of `runner.py` (per-row sampling with both logprobs, the fork fix, one output callback);
+- tracks every accepted sample until it comes back exactly once: when the engine thread dies, the manager is rebuilt
+  and unfinished samples re-run (up to `max_retries` times each);
+- fences weight changes: `exclusive()` stops new work, waits for (or aborts) what is in flight, pauses the loop and
+  forgets every prefix-cache hash, so no later token reads KV computed with other weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+from transformers.generation.continuous_batching.model_runner import infer_max_single_request_tokens
+from transformers.generation.continuous_batching.requests import GenerationOutput, RequestState, RequestStatus
+
+from .batch import Row
+from .config import WorkerConfig
+from .runner import CHILD_SEPARATOR, SCHEDULER_NAME, RolloutModelRunner, RolloutRouter
+from .sampler import RowSampler
+from .sampling import SamplingParams
+
+
+@dataclass
+class Sample:
+    """One requested sample: where it goes in the result, and its outcome."""
+
+    call: "Call"
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_ids: tuple[int, ...]
+    attempts: int = 0
+    version: int = 0
+    row: Row | None = None
+    error: str | None = None
+
+
+@dataclass
+class Call:
+    """The samples of one generate call."""
+
+    samples: list[Sample] = field(default_factory=list)
+    failure: str | None = None
+
+    def done(self) -> bool:
+        return all(s.row is not None for s in self.samples) or self.failure is not None
+
+
+class Engine:
+    def __init__(self, model, config: WorkerConfig, version: int = 0) -> None:
+        self.model = model
+        self.config = config
+        self.version = version
+        self.num_restarts = 0
+        self._cond = threading.Condition()
+        self._ids = itertools.count()
+        self._pending: dict[str, Sample] = {}  # engine request id -> sample
+        self._rerun: list[Sample] = []  # samples whose engine request failed; re-run by a waiting caller
+        self._sampling_logprobs: dict[str, list[float]] = {}
+        self._row_samplers: dict[str, RowSampler] = {}
+        self._updating = False
+        self._generator = torch.Generator(device=model.device).manual_seed(config.seed)
+        self._manager = self._build_manager()
+
+    # ------------------------------------------------------------------ lifecycle
+    def _build_manager(self) -> ContinuousBatchingManager:
+        gen_config = GenerationConfig(do_sample=False, max_new_tokens=None, eos_token_id=None)
+        cb_config = ContinuousBatchingConfig(
+            page_size=self.config.page_size, num_blocks=self._num_blocks(),
+            max_batch_tokens=self.config.max_batch_tokens, max_requests_per_batch=self.config.max_requests_per_batch,
+            allow_block_sharing=self.config.prefix_caching, use_async_batching=False, use_cuda_graph=False,
+            scheduler_type=SCHEDULER_NAME, return_logprobs=True, auto_switch_to_flash=False,
+            max_blocks_per_request=0)
+        was_training = self.model.training
+        manager = ContinuousBatchingManager(self.model, gen_config, cb_config)
+        manager.output_router = RolloutRouter(self._on_output)
+        manager.batch_processor = manager._create_batch_processor()
+        RolloutModelRunner.adopt(manager.batch_processor.model_runner, self._row_sampler, self._record,
+                                 self._generator)
+        self.max_request_tokens = infer_max_single_request_tokens(manager.batch_processor.cache)
+        self.model.train(was_training)
+        manager.start()
+        return manager
+
+    def _num_blocks(self) -> int:
+        if self.config.num_blocks is not None:
+            return self.config.num_blocks
+        text = self.model.config.get_text_config()
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        bytes_per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * self.model.dtype.itemsize
+        by_memory = self.config.kv_cache_memory_mb * 2**20 // (bytes_per_token * self.config.page_size)
+        return max(4, min(by_memory, self.config.max_cache_tokens // self.config.page_size))
+
+    def is_alive(self) -> bool:
+        status = self._manager.background_thread_status
+        return self._manager.is_running() and status.fatal_error is None
+
+    def close(self) -> None:
+        manager, self._manager = self._manager, None
+        if manager is not None and manager._generation_thread is not None:
+            manager.stop(block=True, timeout=30)
+
+    def _restart(self) -> None:
+        """Replace a dead manager with a fresh one (fresh cache); callers then re-run what was lost."""
+        old = self._manager
+        with contextlib.suppress(Exception):
+            old.stop(block=True, timeout=30)
+        self.num_restarts += 1
+        self._manager = self._build_manager()
+
+    # ------------------------------------------------------------------ engine-thread callbacks
+    def _row_sampler(self, request_id: str) -> RowSampler:
+        sampler = self._row_samplers.get(request_id)
+        if sampler is None:  # a forked child: inherits its parent's params, its own generator if seeded
+            sample = self._pending[request_id]
+            sampler = self._make_row_sampler(sample)
+            self._row_samplers[request_id] = sampler
+        return sampler
+
+    def _make_row_sampler(self, sample: Sample) -> RowSampler:
+        seed = sample.params.seed
+        if seed is None:
+            return RowSampler(sample.params)
+        gen = torch.Generator(device=self.model.device).manual_seed(seed * 1_000_003 + sample.sample_index)
+        return RowSampler(sample.params, gen)
+
+    def _record(self, request_ids: list[str], values: list[float]) -> None:
+        for request_id, value in zip(request_ids, values):
+            self._sampling_logprobs.setdefault(request_id, []).append(value)
+
+    def _on_output(self, output: GenerationOutput) -> None:
+        with self._cond:
+            sample = self._pending.pop(output.request_id, None)
+            sampling = self._sampling_logprobs.pop(output.request_id, [])
+            self._row_samplers.pop(output.request_id, None)
+            if sample is None:  # cancelled by an abort fence, or already re-run
+                return
+            if output.status == RequestStatus.FINISHED and output.error is None:
+                sample.row = self._make_row(sample, output, sampling)
+            else:
+                sample.error = output.error or f"request ended with status {output.status!r}"
+                self._rerun.append(sample)
+            self._cond.notify_all()
+
+    def _make_row(self, sample: Sample, output: GenerationOutput, sampling: list[float]) -> Row:
+        tokens = list(output.generated_tokens)
+        if len(output.logprobs) != len(tokens) or len(sampling) < len(tokens):
+            raise RuntimeError(f"rollout: {len(tokens)} tokens but {len(output.logprobs)}/{len(sampling)} logprobs")
+        finish = "stop" if tokens and tokens[-1] in sample.stop_ids else "length"
+        return Row(sample.prompt_index, sample.sample_index, sample.prompt_ids, tokens, list(output.logprobs),
+                   sampling[: len(tokens)], finish, sample.version)
+
+    # ------------------------------------------------------------------ submission and waiting
+    def run(self, samples_by_prompt: list[list[Sample]], call: Call, timeout: float | None = None) -> Call:
+        """Submit every sample of a call, wait until each has a row, re-running what an engine death lost."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._updating)
+            for group in samples_by_prompt:
+                self._submit(group)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not call.done():
+            self._heal()
+            with self._cond:
+                self._cond.wait_for(call.done, timeout=0.05)
+            if deadline is not None and time.monotonic() > deadline and not call.done():
+                self.abort_call(call)
+                done = sum(s.row is not None for s in call.samples)
+                raise TimeoutError(f"generate timed out after {timeout}s with {done}/{len(call.samples)} rows done")
+        if call.failure is not None:
+            raise RuntimeError(call.failure)
+        return call
+
+    def _submit(self, group: list[Sample]) -> None:
+        """Submit samples of one prompt as one engine request whose children are the other samples (called with
+        the lock held)."""
+        head = group[0]
+        request_id = f"r{next(self._ids)}"
+        for i, sample in enumerate(group):
+            sample.version = self.version
+            sample.attempts += 1
+            self._pending[request_id if i == 0 else f"{request_id}{CHILD_SEPARATOR}{i - 1}"] = sample
+        self._row_samplers[request_id] = self._make_row_sampler(head)
+        state = RequestState(request_id=request_id, initial_tokens=list(head.prompt_ids), num_children=len(group) - 1,
+                             max_new_tokens=head.params.max_new_tokens, eos_token_id=list(head.stop_ids))
+        self._manager.input_queue.put(state)
+        self._manager._wake_up_loop.set()
+
+    def _heal(self) -> None:
+        """If the engine died or requests failed, rebuild it and re-run the lost samples, each on its own."""
+        with self._cond:
+            dead = not self.is_alive()
+            if not dead and not self._rerun:
+                return
+            if dead:
+                self._restart()
+                self._rerun.extend(self._pending.values())
+                self._pending.clear()
+                self._sampling_logprobs.clear()
+                self._row_samplers.clear()
+            rerun, self._rerun = self._rerun, []
+            for sample in rerun:
+                if sample.row is not None:
+                    continue
+                if sample.attempts > self.config.max_retries:
+                    sample.call.failure = (f"prompt {sample.prompt_index} sample {sample.sample_index} failed "
+                                           f"{sample.attempts} times; last error: {sample.error}")
+                    continue
+                self._submit([sample])
+            self._cond.notify_all()
+
+    def abort_call(self, call: Call) -> None:
+        with self._cond:
+            for request_id, sample in list(self._pending.items()):
+                if sample.call is call:
+                    self._pending.pop(request_id)
+                    self._manager.cancel_request(request_id)
+
+    # ------------------------------------------------------------------ weight-change fence
+    @contextlib.contextmanager
+    def exclusive(self, abort_in_flight: bool):
+        """Hold the model alone: no new submission; in-flight work finished (or aborted, then re-run after the
+        block); loop paused; every prefix-cache hash forgotten. Inside, the caller may change weights in place."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._updating)
+            self._updating = True
+        aborted: list[Sample] = []
+        try:
+            aborted = self._drain(abort_in_flight)
+            if self.is_alive():
+                with self._manager.pause():
+                    self.forget_prefix_cache()
+                    yield
+            else:
+                yield
+        finally:
+            with self._cond:
+                self._updating = False
+                self._rerun.extend(aborted)
+                for sample in aborted:
+                    sample.attempts -= 1  # an abort is not a failure
+                self._cond.notify_all()
+
+    def _drain(self, abort_in_flight: bool) -> list[Sample]:
+        if not abort_in_flight:
+            while True:
+                self._heal()
+                with self._cond:
+                    if self._cond.wait_for(lambda: not self._pending and not self._rerun, timeout=0.05):
+                        return []
+        with self._cond:
+            aborted = list(self._pending.values()) + self._rerun
+            for request_id in self._pending:
+                self._manager.cancel_request(request_id)
+            self._pending.clear()
+            self._rerun = []
+            for sample in aborted:
+                sample.error = "aborted by a weight update"
+            return [s for s in aborted if s.row is None]
+
+    def forget_prefix_cache(self) -> None:
+        """Evict cached blocks and drop every content hash, so no request can match KV from older weights."""
+        cache = self._manager.batch_processor.cache
+        cache.evict_cached_blocks()
+        for allocator in cache.cache_allocators.values():
+            allocator.ledger.hash_to_block.clear()
+            allocator.ledger.block_to_hash.clear()

@@ -1,0 +1,89 @@
+"""Weight updates that are atomic, and a fingerprint that proves what the rollout side holds.
+
+`plan_update` validates every incoming tensor (known name, same shape, finite values; all names present when a
+full update is asked) before anything is touched; `apply_update` then copies in place with `param.data.copy_`, so
+tensor addresses (CUDA graphs, optimizer references, tied weights) stay valid. Names are those of
+`model.state_dict()`; tied parameters appear under each of their names and are written once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class UpdatePlan:
+    copies: list[tuple[torch.Tensor, torch.Tensor]]  # (destination in the model, validated source)
+
+
+def named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every state-dict name of the model -> the live tensor it names (parameters and persistent buffers), plus
+    non-persistent buffers (e.g. rotary inv_freq) under their module path."""
+    live = dict(model.state_dict(keep_vars=True))
+    for name, buf in model.named_buffers():
+        live.setdefault(name, buf)
+    return {name: (t.data if isinstance(t, torch.nn.Parameter) else t) for name, t in live.items()}
+
+
+def plan_update(model: torch.nn.Module, weights, full: bool = False) -> UpdatePlan:
+    targets = named_tensors(model)
+    items = weights.items() if isinstance(weights, dict) else weights
+    copies, seen = [], set()
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise ValueError(f"weights item {item!r:.60} is invalid: must be a (name, tensor) pair. Fix: pass a "
+                             "state dict or an iterable of (name, tensor).")
+        name, tensor = item
+        copies.append((_target(targets, name), _checked(name, tensor, targets)))
+        seen.add(name)
+    if full:
+        missing = sorted(n for n in model.state_dict() if n not in seen)
+        if missing:
+            raise ValueError(f"weights are missing {len(missing)} tensors, first {missing[0]!r}: a full update needs "
+                             "every state-dict entry. Fix: send the whole state dict, or use full=False.")
+    return UpdatePlan(copies)
+
+
+def _target(targets: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in targets:
+        close = [n for n in targets if n.split(".")[-1] == str(name).split(".")[-1]][:3]
+        raise ValueError(f"weights[{name!r}] is invalid: the model has no tensor of that name. Fix: use the names of "
+                         f"model.state_dict(){'; similar: ' + ', '.join(close) if close else ''}.")
+    return targets[name]
+
+
+def _checked(name: str, tensor, targets: dict[str, torch.Tensor]) -> torch.Tensor:
+    target = targets[name]
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"weights[{name!r}] is invalid: got {type(tensor).__name__}, not a tensor. Fix: pass "
+                         "torch tensors.")
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise ValueError(f"weights[{name!r}] has shape {tuple(tensor.shape)} but the model's is "
+                         f"{tuple(target.shape)}. Fix: send the tensor of the same architecture.")
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise ValueError(f"weights[{name!r}] contains NaN or Inf. Fix: check the trainer's step (loss scale, "
+                         "learning rate) before sending weights.")
+    return tensor.detach()
+
+
+def apply_update(plan: UpdatePlan) -> None:
+    with torch.no_grad():
+        for dst, src in plan.copies:
+            dst.copy_(src.to(device=dst.device, dtype=dst.dtype, non_blocking=True))
+    if any(dst.is_cuda for dst, _ in plan.copies):
+        torch.cuda.synchronize()
+
+
+def fingerprint(model: torch.nn.Module) -> str:
+    """sha256 over every state-dict tensor's name, dtype, shape and bytes (moved to CPU). Cost: one read of the
+    weights; a trainer checks it after a sync, not every step."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().to("cpu").contiguous()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()[:16]
