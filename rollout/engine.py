@@ -35,7 +35,7 @@ from .sampling import SamplingParams
 class Sample:
     """One requested sample: where it goes in the result, and its outcome."""
 
-    call: "Call"
+    call: "Call | None"
     prompt_index: int
     sample_index: int
     prompt_ids: list[int]
@@ -53,6 +53,10 @@ class Call:
 
     samples: list[Sample] = field(default_factory=list)
     failure: str | None = None
+
+    def __post_init__(self) -> None:
+        for sample in self.samples:
+            sample.call = self
 
     def done(self) -> bool:
         return all(s.row is not None for s in self.samples) or self.failure is not None

@@ -59,6 +59,9 @@ def sample_rows(logits: torch.Tensor, rows: list[RowSampler], generator: torch.G
         tokens[idx] = tok
         sampling[idx] = lp
     logprobs = full_logprobs.gather(1, tokens[:, None]).squeeze(1)
+    # nothing truncated: the sampled distribution is the full one, so report the very same number
+    untruncated = torch.tensor([r.params.top_k == 0 and r.params.top_p >= 1.0 for r in rows], device=device)
+    sampling = torch.where(untruncated, logprobs, sampling)
     sampling = torch.where(greedy, torch.zeros_like(sampling), sampling)
     return tokens, logprobs, sampling
 

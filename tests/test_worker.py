@@ -1,0 +1,231 @@
+"""RolloutWorker: exactness against a plain teacher-forced forward, robustness, and the call contract."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import reference_logprobs
+from rollout import RolloutBatch, RolloutWorker, SamplingParams, WorkerConfig
+from rollout.runner import RolloutModelRunner
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_path):
+    from rollout.tiny import load_tiny_model
+
+    model, tok = load_tiny_model(tiny_path)
+    worker = RolloutWorker(model, WorkerConfig(page_size=16, max_batch_tokens=256), tokenizer=tok)
+    yield worker
+    worker.close()
+
+
+def prompts_of(lengths: list[int], seed: int = 0, vocab: int = 500) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def assert_exact(worker: RolloutWorker, batch: RolloutBatch, params: list[SamplingParams]) -> None:
+    """Every row's logprobs and sampling logprobs equal a plain forward's to TOL."""
+    assert len(batch) > 0
+    for r, completion in enumerate(batch.completion_token_lists()):
+        p = params[int(batch.prompt_index[r])]
+        full, truncated = reference_logprobs(worker.model, batch.prompt_ids[r], completion, p.temperature,
+                                             p.top_k, p.top_p)
+        n = len(completion)
+        assert torch.allclose(batch.logprobs[r, :n], full, atol=TOL, rtol=0), (r, p)
+        assert torch.allclose(batch.sampling_logprobs[r, :n], truncated, atol=TOL, rtol=0), (r, p)
+
+
+def test_logprobs_match_plain_forward_for_mixed_sampling_in_one_batch(shared):
+    params = [SamplingParams(n=3, temperature=0.7, max_new_tokens=12),
+              SamplingParams(n=2, temperature=0.0, max_new_tokens=10),
+              SamplingParams(n=3, temperature=1.3, top_k=5, max_new_tokens=12),
+              SamplingParams(n=2, temperature=1.0, top_p=0.5, max_new_tokens=12),
+              SamplingParams(n=2, temperature=0.9, top_k=20, top_p=0.8, max_new_tokens=12, seed=3)]
+    prompts = prompts_of([5, 17, 33, 1, 40])
+    batch = shared.generate(prompts, sampling=params)
+    assert batch.prompt_index.tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3, 4, 4]
+    assert batch.sample_index.tolist() == [0, 1, 2, 0, 1, 0, 1, 2, 0, 1, 0, 1]
+    assert_exact(shared, batch, params)
+    # truncation really happened somewhere, and sampling logprobs differ from the full ones there
+    rows = (batch.prompt_index == 2) & batch.completion_mask.any(1)
+    assert (batch.sampling_logprobs[rows] - batch.logprobs[rows]).abs().max() > 1e-3
+    # without truncation, both logprobs are the same number
+    plain = batch.prompt_index == 0
+    assert torch.equal(batch.sampling_logprobs[plain], batch.logprobs[plain])
+
+
+def test_greedy_rows_are_argmax_with_zero_sampling_logprob(shared):
+    prompt = prompts_of([9])[0]
+    batch = shared.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))
+    ids = prompt[:]
+    for t in batch.completion_token_lists()[0]:
+        with torch.no_grad():
+            assert int(shared.model(torch.tensor([ids])).logits[0, -1].argmax()) == t
+        ids.append(t)
+    assert batch.sampling_logprobs.abs().max() == 0
+
+
+def test_samples_of_one_prompt_share_its_prefill(shared):
+    counted = []
+    hook = shared.model.register_forward_pre_hook(
+        lambda m, a, kw: counted.append(kw["input_ids"].shape[-1]) if "input_ids" in kw else None, with_kwargs=True)
+    try:
+        prompt = prompts_of([64], seed=5)[0]
+        batch = shared.generate([prompt], SamplingParams(n=8, max_new_tokens=4, ignore_eos=True))
+    finally:
+        hook.remove()
+    assert len(batch) == 8
+    # 63 prompt tokens once, then the last prompt token and 3 decodes per sample: far below 8 x 64
+    assert sum(counted) <= 63 + 8 * 4 + 8, counted
+
+
+def test_prefix_cache_hits_on_a_resent_prompt_stay_exact(shared):
+    prompt = prompts_of([16 * 3 + 1], seed=7)[0]  # k * page_size + 1: a hit leaves exactly one token to prefill
+    params = [SamplingParams(n=4, temperature=1.0, max_new_tokens=6)]
+    shared.generate([prompt], params)
+    counted = []
+    hook = shared.model.register_forward_pre_hook(
+        lambda m, a, kw: counted.append(kw["input_ids"].shape[-1]), with_kwargs=True)
+    try:
+        batch = shared.generate([prompt], params)
+    finally:
+        hook.remove()
+    assert sum(counted) < 49, "second call should reuse cached prompt blocks"
+    assert_exact(shared, batch, params)
+
+
+def test_one_token_prompts_with_many_samples_do_not_kill_the_engine(shared):
+    params = [SamplingParams(n=5, max_new_tokens=5)] * 3
+    batch = shared.generate([[7], [8], [9]], params)
+    assert len(batch) == 15 and shared.engine.is_alive()
+    assert_exact(shared, batch, params)
+
+
+def test_nasty_sampling_values_run_next_to_each_other(shared):
+    params = [SamplingParams(temperature=0.0, max_new_tokens=4), SamplingParams(top_k=10**6, max_new_tokens=4),
+              SamplingParams(temperature=1e-4, max_new_tokens=4), SamplingParams(top_p=1e-6, max_new_tokens=4)]
+    batch = shared.generate(prompts_of([3, 4, 5, 6]), params)
+    assert len(batch) == 4 and shared.engine.is_alive() and shared.engine.num_restarts == 0
+    assert_exact(shared, batch, params)
+
+
+def test_stop_tokens_end_rows_and_are_kept_with_their_logprob(shared):
+    prompt = prompts_of([6], seed=11)[0]
+    free = shared.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True))
+    stop = free.completion_token_lists()[0][2]
+    batch = shared.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=6, stop_token_ids=[stop]))
+    tokens = batch.completion_token_lists()[0]
+    assert tokens[-1] == stop and stop not in tokens[:-1] and batch.finish_reason == ["stop"]
+    assert batch.completion_mask[0, len(tokens) - 1] and batch.logprobs[0, len(tokens) - 1] < 0
+    assert free.finish_reason == ["length"] and int(free.completion_lengths[0]) == 6
+
+
+def test_batch_layout_is_prompt_major_and_right_padded(shared):
+    params = [SamplingParams(n=2, max_new_tokens=3, ignore_eos=True), SamplingParams(n=1, max_new_tokens=7,
+                                                                                   ignore_eos=True)]
+    batch = shared.generate(prompts_of([4, 5]), params)
+    assert batch.completion_ids.shape == (3, 7) and batch.completion_ids.dtype == torch.long
+    assert batch.completion_lengths.tolist() == [3, 3, 7]
+    assert not batch.completion_mask[0, 3:].any() and (batch.logprobs[0, 3:] == 0).all()
+    assert batch.logprobs.dtype == torch.float32 and batch.policy_version.tolist() == [0, 0, 0]
+    assert batch.prompt_ids[2] == prompts_of([4, 5])[1]
+
+
+def test_seeded_samples_do_not_depend_on_batch_composition(shared):
+    prompt = prompts_of([12], seed=2)[0]
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=1234, ignore_eos=True)
+    alone = shared.generate([prompt], params)
+    crowded = shared.generate(prompts_of([30, 9, 21], seed=4) + [prompt],
+                              [SamplingParams(n=3, max_new_tokens=8)] * 3 + [params])
+    assert alone.completion_token_lists() == crowded.completion_token_lists()[-2:]
+
+
+def test_text_prompts_and_chat_template_use_the_tokenizer(shared):
+    tok = shared.tokenizer
+    batch = shared.generate(["the cat is"], SamplingParams(max_new_tokens=4))
+    assert batch.prompt_ids[0] == tok("the cat is", add_special_tokens=False)["input_ids"]
+    chat = shared.generate(["two plus two"], SamplingParams(max_new_tokens=4), chat_template=True)
+    assert tok.decode(chat.prompt_ids[0]).endswith("<|assistant|>")
+    assert isinstance(chat.completion_texts()[0], str)
+
+
+@pytest.mark.parametrize("prompts, sampling, message", [
+    ([[1, 2], []], None, "prompt 1: prompt=[] is invalid"),
+    ([[1, 2], [3, 10**6]], None, "prompt 1: prompt='token id 1000000' is invalid"),
+    ([[1] * 1000], SamplingParams(max_new_tokens=100), "prompt 0: max_new_tokens=100 is invalid"),
+    ([[1], [2]], [SamplingParams()], "sampling="),
+    ([[1], "text", 3], None, "prompt 2: prompt='3' is invalid: must be a list of int token ids"),
+    ([[1]], SamplingParams(stop_token_ids=[10**6]), "stop_token_ids=1000000"),
+])
+def test_bad_input_is_rejected_before_anything_is_submitted(shared, prompts, sampling, message):
+    before = shared.engine._ids
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        shared.generate(prompts, sampling)
+    assert shared.engine._ids is before and not shared.engine._pending
+    assert len(shared.generate([[5, 6]], SamplingParams(max_new_tokens=2))) == 1
+
+
+def test_empty_call_returns_an_empty_batch(shared):
+    batch = shared.generate([])
+    assert len(batch) == 0 and batch.completion_ids.shape == (0, 0)
+
+
+def test_engine_is_started_once_and_calls_leave_no_state(shared):
+    manager = shared.engine._manager
+    for _ in range(2):
+        shared.generate(prompts_of([3, 4]), SamplingParams(n=2, max_new_tokens=3))
+    assert shared.engine._manager is manager
+    assert not shared.engine._pending and not shared.engine._sampling_logprobs and not shared.engine._row_samplers
+
+
+def test_worker_from_a_checkpoint_directory_loads_model_and_tokenizer(tiny_path):
+    with RolloutWorker(tiny_path, WorkerConfig(num_blocks=64)) as worker:
+        assert worker.tokenizer is not None and worker.owns_model
+        batch = worker.generate(["one two"], SamplingParams(max_new_tokens=3))
+        assert len(batch.completion_texts()) == 1
+
+
+def test_a_cache_far_too_small_for_the_batch_still_returns_exact_rows(tiny):
+    model, tok = tiny
+    config = WorkerConfig(page_size=4, num_blocks=24, max_batch_tokens=32)  # 96 tokens for ~16 x 30 tokens
+    params = [SamplingParams(n=2, temperature=1.0, max_new_tokens=20, ignore_eos=True)] * 8
+    with RolloutWorker(model, config, tokenizer=tok) as worker:
+        batch = worker.generate(prompts_of([9, 3, 10, 7, 8, 5, 9, 10], seed=9), params)
+        assert len(batch) == 16 and batch.completion_lengths.tolist() == [20] * 16
+        assert worker.engine.is_alive()
+        assert_exact(worker, batch, params)
+
+
+def test_a_dead_engine_is_rebuilt_and_every_row_comes_back_once(tiny, monkeypatch):
+    model, tok = tiny
+    original = RolloutModelRunner._forward_process_and_sample
+    calls = {"n": 0}
+
+    def flaky(self, *args):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected engine fault")
+        return original(self, *args)
+
+    monkeypatch.setattr(RolloutModelRunner, "_forward_process_and_sample", flaky)
+    params = [SamplingParams(n=3, temperature=1.0, max_new_tokens=6, ignore_eos=True)] * 3
+    with RolloutWorker(model, WorkerConfig(num_blocks=64), tokenizer=tok) as worker:
+        batch = worker.generate(prompts_of([5, 9, 13]), params)
+        assert worker.engine.num_restarts == 1
+        assert batch.prompt_index.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+        assert batch.sample_index.tolist() == [0, 1, 2] * 3
+        assert batch.completion_lengths.tolist() == [6] * 9
+        assert_exact(worker, batch, params)
+
+
+def test_a_request_that_keeps_killing_the_engine_fails_the_call_clearly(tiny, monkeypatch):
+    model, tok = tiny
+    monkeypatch.setattr(RolloutModelRunner, "_forward_process_and_sample",
+                        lambda self, *a: (_ for _ in ()).throw(RuntimeError("always broken")))
+    with RolloutWorker(model, WorkerConfig(num_blocks=64, max_retries=1), tokenizer=tok) as worker:
+        with pytest.raises(RuntimeError, match="prompt 0 sample 0 failed 2 times; last error: .*always broken"):
+            worker.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
