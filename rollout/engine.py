@@ -24,6 +24,7 @@ from transformers.generation.continuous_batching.continuous_api import Continuou
 from transformers.generation.continuous_batching.model_runner import infer_max_single_request_tokens
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestState, RequestStatus
 
+from .attention import RolloutManager
 from .batch import Row
 from .config import WorkerConfig
 from .runner import CHILD_SEPARATOR, SCHEDULER_NAME, RolloutModelRunner, RolloutRouter
@@ -68,6 +69,7 @@ class Engine:
         self.config = config
         self.version = version
         self.num_restarts = 0
+        self.num_aborted = 0  # samples aborted by weight updates and re-run
         self._cond = threading.Condition()
         self._ids = itertools.count()
         self._pending: dict[str, Sample] = {}  # engine request id -> sample
@@ -88,7 +90,7 @@ class Engine:
             scheduler_type=SCHEDULER_NAME, return_logprobs=True, auto_switch_to_flash=False,
             max_blocks_per_request=0)
         was_training = self.model.training
-        manager = ContinuousBatchingManager(self.model, gen_config, cb_config)
+        manager = RolloutManager(self.model, gen_config, cb_config)  # also accepts rollout_paged
         manager.output_router = RolloutRouter(self._on_output)
         manager.batch_processor = manager._create_batch_processor()
         RolloutModelRunner.adopt(manager.batch_processor.model_runner, self._row_sampler, self._record,
@@ -270,9 +272,11 @@ class Engine:
                 self._manager.cancel_request(request_id)
             self._pending.clear()
             self._rerun = []
+            aborted = [s for s in aborted if s.row is None]
             for sample in aborted:
                 sample.error = "aborted by a weight update"
-            return [s for s in aborted if s.row is None]
+            self.num_aborted += len(aborted)
+            return aborted
 
     def forget_prefix_cache(self) -> None:
         """Evict cached blocks and drop every content hash, so no request can match KV from older weights."""
