@@ -1,0 +1,51 @@
+"""What this project relies on in transformers' continuous-batching engine. An upgrade that changes any of it
+must fail here, loudly, before it silently breaks exactness or robustness."""
+
+from __future__ import annotations
+
+import inspect
+
+import transformers
+from transformers.generation.continuous_batching.cache_allocators.cache_allocator import BlockLedger
+from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager, OutputRouter
+from transformers.generation.continuous_batching.model_runner import ModelRunner
+from transformers.generation.continuous_batching.requests import RequestState, RequestStatus
+from transformers.generation.continuous_batching.scheduler import FIFOScheduler
+
+from rollout.runner import RolloutScheduler
+
+
+def test_transformers_is_the_pinned_version():
+    assert transformers.__version__ == "5.23.0"
+
+
+def test_the_hooked_methods_keep_their_signatures():
+    assert list(inspect.signature(ModelRunner._forward_process_and_sample).parameters) == [
+        "self", "model", "batch_data", "carry_over_ids", "prev_output_ids", "output_ids"]
+    assert list(inspect.signature(FIFOScheduler._schedule_request).parameters) == [
+        "self", "state", "request_tokens", "token_budget", "request_ids_to_remove_from_waiting"]
+    assert {"deliver", "deliver_batch", "fail_and_deliver"} <= set(vars(OutputRouter))
+    assert {"_create_batch_processor", "pause", "cancel_request", "is_running"} <= set(vars(ContinuousBatchingManager))
+    ledger = BlockLedger()
+    assert ledger.hash_to_block == {} and ledger.block_to_hash == {} and ledger.cached_blocks == {}
+
+
+def _fresh_state(tokens: list[int], children: int) -> RequestState:
+    return RequestState(request_id="p", initial_tokens=tokens, num_children=children, max_new_tokens=4)
+
+
+def test_upstream_still_schedules_a_zero_token_fork_and_ours_does_not():
+    upstream = FIFOScheduler.__new__(FIFOScheduler)
+    FIFOScheduler.reset(upstream)
+    state = _fresh_state([5], children=2)
+    upstream._schedule_request(state, [5], 100, set())
+    assert state.tokens_to_process == [] and upstream._requests_to_fork == [state]  # the crash: 0-token forward
+
+    ours = RolloutScheduler.__new__(RolloutScheduler)
+    RolloutScheduler.reset(ours)
+    state = _fresh_state([5], children=2)
+    ours._schedule_request(state, [5], 100, set())
+    assert state.tokens_to_process == [5] and ours._requests_to_fork == []
+    assert list(ours.waiting_requests) == ["p__child#0", "p__child#1"]
+    assert all(c.initial_tokens == [5] and c.num_children == 0 for c in ours.waiting_requests.values())
+    assert state.status == RequestStatus.DECODING
