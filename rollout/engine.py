@@ -23,6 +23,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 from transformers.generation.continuous_batching.model_runner import infer_max_single_request_tokens
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestState, RequestStatus
+from transformers.generation.continuous_batching.utils import attn_mask_is_needed
 
 from .attention import RolloutManager
 from .batch import Row
@@ -108,6 +109,8 @@ class Engine:
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         bytes_per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * self.model.dtype.itemsize
         by_memory = self.config.kv_cache_memory_mb * 2**20 // (bytes_per_token * self.config.page_size)
+        if not attn_mask_is_needed(self.model.config):  # no dense mask to bound: the memory budget alone sizes it
+            return max(4, by_memory)
         return max(4, min(by_memory, self.config.max_cache_tokens // self.config.page_size))
 
     def is_alive(self) -> bool:
@@ -120,18 +123,24 @@ class Engine:
             manager.stop(block=True, timeout=30)
 
     def _restart(self) -> None:
-        """Replace a dead manager with a fresh one (fresh cache); callers then re-run what was lost."""
+        """Replace a dead manager with a fresh one (fresh cache); what it held is queued for re-running."""
         old = self._manager
         with contextlib.suppress(Exception):
             old.stop(block=True, timeout=30)
         self.num_restarts += 1
         self._manager = self._build_manager()
+        self._rerun.extend(self._pending.values())
+        self._pending.clear()
+        self._sampling_logprobs.clear()
+        self._row_samplers.clear()
 
     # ------------------------------------------------------------------ engine-thread callbacks
     def _row_sampler(self, request_id: str) -> RowSampler:
         sampler = self._row_samplers.get(request_id)
         if sampler is None:  # a forked child: inherits its parent's params, its own generator if seeded
-            sample = self._pending[request_id]
+            sample = self._pending.get(request_id)
+            if sample is None:  # abandoned (aborted, timed out) while the engine forks it: output is dropped
+                return RowSampler(SamplingParams(temperature=0.0))
             sampler = self._make_row_sampler(sample)
             self._row_samplers[request_id] = sampler
         return sampler
@@ -212,10 +221,6 @@ class Engine:
                 return
             if dead:
                 self._restart()
-                self._rerun.extend(self._pending.values())
-                self._pending.clear()
-                self._sampling_logprobs.clear()
-                self._row_samplers.clear()
             rerun, self._rerun = self._rerun, []
             for sample in rerun:
                 if sample.row is not None:
@@ -245,11 +250,11 @@ class Engine:
         aborted: list[Sample] = []
         try:
             aborted = self._drain(abort_in_flight)
-            if self.is_alive():
-                with self._manager.pause():
-                    self.forget_prefix_cache()
-                    yield
-            else:
+            with self._cond:
+                if not self.is_alive():
+                    self._restart()
+            with self._manager.pause():
+                self.forget_prefix_cache()
                 yield
         finally:
             with self._cond:

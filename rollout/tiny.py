@@ -95,7 +95,9 @@ def build_tiny_model(path: str | os.PathLike, arch: str = "llama", size: str = "
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return path
     tokenizer = build_tokenizer(SIZES[size][5], seed=seed)
-    config = build_config(arch, size, len(tokenizer), tokenizer.eos_token_id, tokenizer.bos_token_id,
+    # the toy corpus saturates BPE merges early: larger sizes pad the vocabulary so their embeddings have the
+    # advertised size (ids past the tokenizer's are valid model ids; they decode to nothing)
+    config = build_config(arch, size, max(len(tokenizer), SIZES[size][5]), tokenizer.eos_token_id, tokenizer.bos_token_id,
                           tokenizer.pad_token_id, tie_word_embeddings, max_position_embeddings)
     config.initializer_range = init_std
     torch.manual_seed(seed)

@@ -64,10 +64,16 @@ def _checked(name: str, tensor, targets: dict[str, torch.Tensor]) -> torch.Tenso
     if tuple(tensor.shape) != tuple(target.shape):
         raise ValueError(f"weights[{name!r}] has shape {tuple(tensor.shape)} but the model's is "
                          f"{tuple(target.shape)}. Fix: send the tensor of the same architecture.")
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+    if tensor.is_floating_point() and tensor.numel() and not _finite(tensor):
         raise ValueError(f"weights[{name!r}] contains NaN or Inf. Fix: check the trainer's step (loss scale, "
                          "learning rate) before sending weights.")
     return tensor.detach()
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    """One reduction pass, no full-size boolean temporary: NaN propagates through min/max, and +-Inf is an end."""
+    low, high = torch.aminmax(tensor.detach())
+    return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
 def apply_update(plan: UpdatePlan) -> None:
