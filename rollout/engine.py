@@ -241,9 +241,10 @@ class Engine:
 
     # ------------------------------------------------------------------ weight-change fence
     @contextlib.contextmanager
-    def exclusive(self, abort_in_flight: bool):
+    def exclusive(self, abort_in_flight: bool, invalidate: bool = True):
         """Hold the model alone: no new submission; in-flight work finished (or aborted, then re-run after the
-        block); loop paused; every prefix-cache hash forgotten. Inside, the caller may change weights in place."""
+        block); loop paused; every prefix-cache hash forgotten (unless `invalidate` is False, for read-only use).
+        Inside, the caller may change weights in place."""
         with self._cond:
             self._cond.wait_for(lambda: not self._updating)
             self._updating = True
@@ -254,7 +255,8 @@ class Engine:
                 if not self.is_alive():
                     self._restart()
             with self._manager.pause():
-                self.forget_prefix_cache()
+                if invalidate:
+                    self.forget_prefix_cache()
                 yield
         finally:
             with self._cond:

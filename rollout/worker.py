@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .attention import resolve_attn_implementation  # also registers "rollout_paged" with transformers
 from .batch import RolloutBatch
 from .config import WorkerConfig
 from .engine import Call, Engine, Sample
@@ -44,9 +45,12 @@ class RolloutWorker:
         self.model, self.tokenizer = _load(model_or_path, tokenizer, self.config)
         self.owns_model = not hasattr(model_or_path, "forward")
         self._user_attn = self.model.config._attn_implementation
-        if self.config.attn_implementation is not None:
-            self.model.set_attn_implementation(self.config.attn_implementation)
+        engine_attn = resolve_attn_implementation(self.config.attn_implementation, self.model)
+        if engine_attn is not None:
+            self.model.set_attn_implementation(engine_attn)
         self._lock = threading.RLock()
+        self._active_calls = 0
+        self._was_training = self.model.training
         self.engine = Engine(self.model, self.config)
         self._engine_attn = self.model.config._attn_implementation
         self._set_attn(self._user_attn)
@@ -100,17 +104,22 @@ class RolloutWorker:
 
     @contextlib.contextmanager
     def _generation_mode(self):
-        """Eval mode and the engine's attention while generating; the owner's settings restored afterwards."""
+        """Eval mode and the engine's attention while any generate call runs (counted, so concurrent calls from
+        several threads keep them); the owner's training flag and attention come back when the last one ends."""
         with self._lock:
-            was_training = self.model.training
-            self.model.eval()
-            self._set_attn(self._engine_attn)
+            if self._active_calls == 0:
+                self._was_training = self.model.training
+                self.model.eval()
+                self._set_attn(self._engine_attn)
+            self._active_calls += 1
         try:
             yield
         finally:
             with self._lock:
-                self._set_attn(self._user_attn)
-                self.model.train(was_training)
+                self._active_calls -= 1
+                if self._active_calls == 0:
+                    self._set_attn(self._user_attn)
+                    self.model.train(self._was_training)
 
     def _set_attn(self, impl: str) -> None:
         if self.model.config._attn_implementation != impl:
@@ -147,7 +156,7 @@ class RolloutWorker:
         """Teacher-forced logprobs of stored completions with this worker's model (see rollout.scoring)."""
         from .scoring import score
 
-        with self.engine.exclusive(abort_in_flight=False), self._generation_mode():
+        with self.engine.exclusive(abort_in_flight=False, invalidate=False):
             return score(self.model, prompts, completions, temperature=temperature, tokenizer=self.tokenizer,
                          **kwargs)
 
@@ -165,6 +174,11 @@ class RolloutWorker:
         self.close()
 
 
+def _loading_attn(config: WorkerConfig) -> str:
+    """The attention a checkpoint is loaded with (the owner's; the engine's is set afterwards)."""
+    return "sdpa" if config.attn_implementation in (None, "auto") else config.attn_implementation
+
+
 def _load(model_or_path: Any, tokenizer: Any, config: WorkerConfig):
     if hasattr(model_or_path, "forward"):
         return model_or_path, tokenizer
@@ -177,7 +191,7 @@ def _load(model_or_path: Any, tokenizer: Any, config: WorkerConfig):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
-                                                 attn_implementation=config.attn_implementation or "sdpa").to(device)
+                                                 attn_implementation=_loading_attn(config)).to(device)
     if tokenizer is None:
         with contextlib.suppress(Exception):
             tokenizer = AutoTokenizer.from_pretrained(path)

@@ -229,3 +229,21 @@ def test_a_request_that_keeps_killing_the_engine_fails_the_call_clearly(tiny, mo
     with RolloutWorker(model, WorkerConfig(num_blocks=64, max_retries=1), tokenizer=tok) as worker:
         with pytest.raises(RuntimeError, match="prompt 0 sample 0 failed 2 times; last error: .*always broken"):
             worker.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
+
+
+def test_concurrent_generate_calls_from_threads_each_get_their_own_rows(shared):
+    import threading
+
+    params = [SamplingParams(n=2, temperature=1.0, max_new_tokens=10)] * 3
+    inputs = [prompts_of([5, 9, 14], seed=s) for s in range(3)]
+    results = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, shared.generate(inputs[i], params)))
+               for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(3):
+        assert [results[i].prompt_ids[r] for r in (0, 2, 4)] == inputs[i]
+        assert_exact(shared, results[i], params)
+    assert shared._active_calls == 0
