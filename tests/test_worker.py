@@ -189,14 +189,21 @@ def test_worker_from_a_checkpoint_directory_loads_model_and_tokenizer(tiny_path)
         assert len(batch.completion_texts()) == 1
 
 
-def test_a_cache_far_too_small_for_the_batch_still_returns_exact_rows(tiny):
+def test_a_cache_far_too_small_for_the_batch_still_returns_exact_rows(tiny, monkeypatch):
+    from transformers.generation.continuous_batching.requests import RequestState
+
     model, tok = tiny
+    soft_resets = []
+    original = RequestState.create_equivalent_initial_request
+    monkeypatch.setattr(RequestState, "create_equivalent_initial_request",
+                        lambda self: soft_resets.append(self.generated_len()) or original(self))
     config = WorkerConfig(page_size=4, num_blocks=24, max_batch_tokens=32)  # 96 tokens for ~16 x 30 tokens
     params = [SamplingParams(n=2, temperature=1.0, max_new_tokens=20, ignore_eos=True)] * 8
     with RolloutWorker(model, config, tokenizer=tok) as worker:
         batch = worker.generate(prompts_of([9, 3, 10, 7, 8, 5, 9, 10], seed=9), params)
         assert len(batch) == 16 and batch.completion_lengths.tolist() == [20] * 16
         assert worker.engine.is_alive()
+        assert any(n > 0 for n in soft_resets), "requests were preempted mid-decode and re-prefilled"
         assert_exact(worker, batch, params)
 
 
