@@ -1,0 +1,58 @@
+"""SamplingParams and WorkerConfig reject bad values at construction, naming field, value, rule and fix."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from rollout import SamplingParams, WorkerConfig
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"n": 0}, "n=0 is invalid: must be an integer >= 1"),
+    ({"n": 2.0}, "n=2.0 is invalid"),
+    ({"temperature": -0.1}, "temperature=-0.1 is invalid: must be a finite number >= 0"),
+    ({"temperature": float("nan")}, "temperature=nan is invalid"),
+    ({"temperature": "1"}, "temperature='1' is invalid"),
+    ({"top_k": -1}, "top_k=-1 is invalid: must be an integer >= 0. Fix: use 0 to disable top-k"),
+    ({"top_p": 0.0}, r"top_p=0.0 is invalid: must be in \(0, 1\]"),
+    ({"top_p": 1.5}, "top_p=1.5 is invalid"),
+    ({"max_new_tokens": 0}, "max_new_tokens=0 is invalid"),
+    ({"stop_token_ids": [1, -2]}, "stop_token_ids=-2 is invalid"),
+    ({"seed": -1}, "seed=-1 is invalid"),
+    ({"min_p": 0.05}, "min_p=0.05 is invalid: this engine cannot apply it per request. Fix: leave it at 0.0"),
+    ({"repetition_penalty": 1.1}, "repetition_penalty=1.1 is invalid"),
+    ({"min_new_tokens": 3}, "min_new_tokens=3 is invalid"),
+])
+def test_bad_sampling_values_are_value_errors_naming_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_are_frozen_and_normalise_stop_ids():
+    params = SamplingParams(stop_token_ids=[3, 4])
+    assert params.stop_token_ids == (3, 4) and hash(params)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        params.n = 2  # type: ignore[misc]
+
+
+def test_sampling_params_from_a_record_rejects_unknown_fields():
+    assert SamplingParams.from_dict({"n": 2, "top_p": 0.9}) == SamplingParams(n=2, top_p=0.9)
+    with pytest.raises(ValueError, match="temprature=0.5 is invalid: is not a sampling field"):
+        SamplingParams.from_dict({"temprature": 0.5})
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"page_size": 2}, "page_size=2 is invalid: must be an integer >= 4"),
+    ({"num_blocks": 0}, "num_blocks=0 is invalid"),
+    ({"max_batch_tokens": 0}, "max_batch_tokens=0 is invalid"),
+    ({"kv_cache_memory_mb": 0}, "kv_cache_memory_mb=0 is invalid"),
+    ({"max_cache_tokens": 8}, "max_cache_tokens=8 is invalid: must be an integer >= 16"),
+    ({"in_flight": "drop"}, "in_flight='drop' is invalid: must be one of"),
+    ({"max_retries": -1}, "max_retries=-1 is invalid"),
+    ({"prefix_caching": 1}, "prefix_caching=1 is invalid: must be a bool"),
+])
+def test_bad_worker_config_values_are_value_errors_naming_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        WorkerConfig(**kwargs)
