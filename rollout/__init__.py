@@ -3,13 +3,16 @@
 from .batch import RolloutBatch
 from .config import WorkerConfig
 from .sampling import SamplingParams
-from .worker import RolloutWorker
 
 __version__ = "0.1.0"
 __all__ = ["RolloutBatch", "RolloutFleet", "RolloutWorker", "SamplingParams", "WorkerConfig", "score"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str):  # heavy imports (transformers, Ray) only when used: `rollout --help` stays instant
+    if name == "RolloutWorker":
+        from .worker import RolloutWorker
+
+        return RolloutWorker
     if name == "RolloutFleet":  # imports Ray lazily
         from .fleet import RolloutFleet
 

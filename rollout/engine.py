@@ -186,14 +186,18 @@ class Engine:
             for group in samples_by_prompt:
                 self._submit(group)
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not call.done():
-            self._heal()
-            with self._cond:
-                self._cond.wait_for(call.done, timeout=0.05)
-            if deadline is not None and time.monotonic() > deadline and not call.done():
-                self.abort_call(call)
-                done = sum(s.row is not None for s in call.samples)
-                raise TimeoutError(f"generate timed out after {timeout}s with {done}/{len(call.samples)} rows done")
+        try:
+            while not call.done():
+                self._heal()
+                with self._cond:
+                    self._cond.wait_for(call.done, timeout=0.05)
+                if deadline is not None and time.monotonic() > deadline and not call.done():
+                    done = sum(s.row is not None for s in call.samples)
+                    raise TimeoutError(f"generate timed out after {timeout}s with {done}/{len(call.samples)} rows "
+                                       "done")
+        except BaseException:  # timeout, Ctrl-C, ...: nothing of this call keeps running in the engine
+            self.abort_call(call)
+            raise
         if call.failure is not None:
             raise RuntimeError(call.failure)
         return call
@@ -233,7 +237,9 @@ class Engine:
             self._cond.notify_all()
 
     def abort_call(self, call: Call) -> None:
+        """Cancel whatever of the call is still in the engine, and drop its pending re-runs."""
         with self._cond:
+            self._rerun = [s for s in self._rerun if s.call is not call]
             for request_id, sample in list(self._pending.items()):
                 if sample.call is call:
                     self._pending.pop(request_id)

@@ -254,3 +254,11 @@ def test_concurrent_generate_calls_from_threads_each_get_their_own_rows(shared):
         assert [results[i].prompt_ids[r] for r in (0, 2, 4)] == inputs[i]
         assert_exact(shared, results[i], params)
     assert shared._active_calls == 0
+
+
+def test_a_timeout_raises_with_progress_and_leaves_nothing_running(shared):
+    params = SamplingParams(n=4, max_new_tokens=400, ignore_eos=True)
+    with pytest.raises(TimeoutError, match=r"generate timed out after 0.05s with \d+/16 rows done"):
+        shared.generate(prompts_of([20, 30, 40, 50], seed=21), params, timeout=0.05)
+    assert not shared.engine._pending and not shared.engine._rerun
+    assert len(shared.generate([[3, 4]], SamplingParams(max_new_tokens=2))) == 1
