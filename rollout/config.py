@@ -22,16 +22,18 @@ class WorkerConfig:
     num_blocks: KV blocks of `page_size` tokens; None derives it from `kv_cache_memory_mb`.
     max_batch_tokens: query tokens per forward step (prefill chunks + decodes).
     kv_cache_memory_mb: KV budget used when num_blocks is None.
-    max_cache_tokens: cap on cached tokens when num_blocks is None (the sdpa path allocates a dense
-        max_batch_tokens x cache-tokens mask, so an uncapped cache on CPU costs GiBs of mask).
+    max_cache_tokens: cap on cached tokens when num_blocks is None and the engine's attention allocates a dense
+        max_batch_tokens x cache-tokens mask ("sdpa", "paged|eager"; an uncapped cache on CPU costs GiBs of mask).
+        Mask-free attention ("rollout_paged", flash) is sized by kv_cache_memory_mb alone.
     max_requests_per_batch: most sequences in one forward step.
     prefix_caching: reuse KV of identical prompt prefixes across calls (invalidated on every weight change).
     in_flight: what a weight update does with requests in flight: "wait" for them to finish (default) or "abort"
         them and re-run them on the new weights.
     seed: seed of the worker's own sampling generator (the global torch RNG is never touched).
     max_retries: times a request is re-run after the engine died under it before the call fails.
-    attn_implementation: attention used by the engine ("sdpa", "rollout_paged" (per-sequence, no dense mask),
-        "paged|eager", or a flash implementation); None keeps the model's.
+    attn_implementation: attention used by the engine: "auto" (default: "rollout_paged" on CPU, the model's own
+        elsewhere), "rollout_paged" (rollout/attention.py: no dense mask, batched decode), "sdpa", "paged|eager", a
+        flash implementation, or None to keep the model's. The owner's attention is restored between calls.
     """
 
     page_size: int = 16
@@ -44,7 +46,7 @@ class WorkerConfig:
     in_flight: str = "wait"
     seed: int = 0
     max_retries: int = 2
-    attn_implementation: str | None = None
+    attn_implementation: str | None = "auto"
 
     def __post_init__(self) -> None:
         _positive_int("page_size", self.page_size, 4, "use a page size of at least 4 tokens (16 is a good CPU default)")
@@ -60,6 +62,10 @@ class WorkerConfig:
         if self.in_flight not in IN_FLIGHT_POLICIES:
             raise invalid("in_flight", self.in_flight, f"must be one of {IN_FLIGHT_POLICIES}",
                           "use 'wait' (updates wait for in-flight requests) or 'abort' (re-run them)")
+        if self.attn_implementation is not None and (not isinstance(self.attn_implementation, str)
+                                                     or not self.attn_implementation):
+            raise invalid("attn_implementation", self.attn_implementation, "must be None or a non-empty string",
+                          "use 'auto', 'rollout_paged', 'sdpa', a flash implementation, or None")
         if not isinstance(self.prefix_caching, bool):
             raise invalid("prefix_caching", self.prefix_caching, "must be a bool", "use True or False")
 
