@@ -1,0 +1,321 @@
+"""Trainer integration: the pure loss pieces against hand-computed values, GRPO and PPO steps on the tiny model
+(finite losses, train/rollout logprob gap ~0, a broken weight sync caught by the gap), and the demo, shortened."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import reference_logprobs
+from rollout import RolloutWorker, SamplingParams, WorkerConfig
+from rollout.tiny import load_tiny_model
+from trainers_integration import losses
+from trainers_integration.forward import completion_logprobs, pack
+from trainers_integration.grpo import GRPOConfig, GRPOTrainer
+from trainers_integration.ppo import PPOConfig, PPOTrainer
+from trainers_integration.value import CriticModel, ValueHead
+
+
+GAP = 1e-4
+PROMPTS = ["the cat is", "one plus two", "how many apples", "red blue green"]
+
+
+def t(values, dtype=torch.float32):
+    return torch.tensor(values, dtype=dtype)
+
+
+# ------------------------------------------------------------------------------------------ pure functions
+def test_group_advantages_center_and_scale_per_group():
+    rewards = t([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
+    # group 1: mean 0.5, sample std sqrt(1/3); group 2: all equal -> 0
+    expected = 0.5 / (math.sqrt(1 / 3) + 1e-4)
+    got = losses.group_advantages(rewards, group_size=4)
+    torch.testing.assert_close(got, t([expected, -expected, -expected, expected, 0, 0, 0, 0]))
+    torch.testing.assert_close(losses.group_advantages(rewards, 4, scale=False), t([.5, -.5, -.5, .5, 0, 0, 0, 0]))
+
+
+def test_group_advantages_reject_a_ragged_batch():
+    with pytest.raises(ValueError, match="num_prompts"):
+        losses.group_advantages(t([1.0, 2.0, 3.0]), group_size=2)
+
+
+def test_aggregate_token_vs_sequence_normalisation():
+    per_token = t([[1.0, 2.0, 3.0], [4.0, 99.0, 99.0]])
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    assert losses.aggregate(per_token, mask, "token").item() == pytest.approx((1 + 2 + 3 + 4) / 4)
+    assert losses.aggregate(per_token, mask, "sequence").item() == pytest.approx((2 + 4) / 2)
+    with pytest.raises(ValueError, match="loss_norm"):
+        losses.aggregate(per_token, mask, "batch")
+
+
+def test_clipped_policy_loss_takes_the_pessimistic_branch():
+    old = torch.zeros(4, 1)
+    logp = torch.log(t([[1.5], [1.5], [0.5], [0.5]]))
+    adv = t([1.0, -1.0, 1.0, -1.0])
+    loss, clipped = losses.clipped_policy_loss(logp, old, adv, 0.2, 0.2)
+    # r=1.5,A=+1 -> -min(1.5, 1.2); r=1.5,A=-1 -> -min(-1.5,-1.2); r=.5,A=+1 -> -min(.5,.8); r=.5,A=-1 -> -min(-.5,-.8)
+    torch.testing.assert_close(loss.squeeze(1), t([-1.2, 1.5, -0.5, 0.8]))
+    assert clipped.squeeze(1).tolist() == [True, False, False, True]
+
+
+def test_clip_higher_widens_only_the_upper_bound():
+    loss, _ = losses.clipped_policy_loss(torch.log(t([[1.5], [0.5]])), torch.zeros(2, 1), t([1.0, -1.0]), 0.2, 0.28)
+    torch.testing.assert_close(loss.squeeze(1), t([-1.28, 0.8]))
+
+
+def test_k3_kl_is_zero_when_equal_and_matches_hand_value():
+    logp, ref = torch.log(t([0.5, 0.3])), torch.log(t([0.25, 0.3]))
+    # delta = log(0.25/0.5): exp(delta) - delta - 1 = 0.5 + log 2 - 1
+    torch.testing.assert_close(losses.k3_kl(logp, ref), t([0.5 + math.log(2) - 1, 0.0]))
+
+
+def test_truncated_is_weights_cap_the_ratio_and_carry_no_grad():
+    trainer = torch.log(t([0.6, 0.2])).requires_grad_()
+    weights = losses.truncated_is_weights(trainer, torch.log(t([0.2, 0.4])), cap=2.0)
+    torch.testing.assert_close(weights, t([2.0, 0.5]))
+    assert not weights.requires_grad
+
+
+def test_gae_hand_computed_with_padding_ignored():
+    rewards = t([[0.0, 0.0, 1.0], [0.0, 1.0, 99.0]])
+    values = t([[0.5, 0.6, 0.7], [0.2, 0.4, 99.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    adv, ret = losses.gae(rewards, values, mask, gamma=1.0, lam=0.5)
+    # row 0: deltas (0.1, 0.1, 0.3) -> A2 = .3, A1 = .1 + .5*.3 = .25, A0 = .1 + .5*.25 = .225
+    torch.testing.assert_close(adv[0], t([0.225, 0.25, 0.3]))
+    torch.testing.assert_close(ret[0], t([0.725, 0.85, 1.0]))
+    adv, _ = losses.gae(rewards, values, mask, gamma=0.9, lam=1.0)
+    # row 1: delta1 = 1 - .4 = .6, delta0 = .9*.4 - .2 = .16 -> A0 = .16 + .9*.6 = .7; padding stays 0
+    torch.testing.assert_close(adv[1], t([0.7, 0.6, 0.0]))
+
+
+def test_gae_with_gamma_lam_one_is_return_minus_value():
+    rewards, values = t([[0.0, 0.0, 1.0]]), t([[0.5, 0.6, 0.7]])
+    adv, ret = losses.gae(rewards, values, torch.ones(1, 3, dtype=torch.bool), gamma=1.0, lam=1.0)
+    torch.testing.assert_close(adv, t([[0.5, 0.4, 0.3]]))
+    torch.testing.assert_close(ret, t([[1.0, 1.0, 1.0]]))
+
+
+def test_kl_shaped_rewards_put_the_score_on_the_last_real_token():
+    logp = t([[-1.0, -2.0, -3.0], [-1.0, -1.0, 0.0]])
+    ref = t([[-1.5, -2.0, -2.0], [-1.0, -2.0, 0.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    got = losses.kl_shaped_rewards(t([1.0, 2.0]), logp, ref, mask, kl_coef=0.1)
+    torch.testing.assert_close(got, t([[-0.05, 0.0, 1.1], [0.0, 1.9, 0.0]]))
+    torch.testing.assert_close(losses.kl_shaped_rewards(t([1.0, 2.0]), logp, None, mask, 0.1),
+                               t([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]]))
+
+
+def test_clipped_value_loss_hand_values():
+    values, old, returns = t([0.5, -0.5, 0.1]), t([0.0, 0.0, 0.0]), t([1.0, -1.0, 1.0])
+    loss, clipped = losses.clipped_value_loss(values, old, returns, clip=0.2)
+    # clipped values 0.2, -0.2, 0.1: max((v-R)^2, (vc-R)^2) / 2 = .64/2, .64/2, .81/2
+    torch.testing.assert_close(loss, t([0.32, 0.32, 0.405]))
+    assert clipped.tolist() == [True, True, False]
+
+
+def test_masked_whiten_ignores_padding():
+    got = losses.masked_whiten(t([1.0, 2.0, 3.0, 50.0]), torch.tensor([True, True, True, False]))
+    torch.testing.assert_close(got, t([-math.sqrt(1.5), 0.0, math.sqrt(1.5), 0.0]), atol=1e-6, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ the trainer's forward
+def test_trainer_forward_matches_a_plain_per_row_forward(tiny):
+    model, tok = tiny
+    prompts = [tok.encode(p) for p in PROMPTS[:3]]
+    completions = [[5, 9, 11, 40], [7], [30, 31]]
+    width = max(map(len, completions))
+    ids = torch.tensor([c + [0] * (width - len(c)) for c in completions])
+    mask = torch.tensor([[True] * len(c) + [False] * (width - len(c)) for c in completions])
+    with torch.no_grad():
+        got, _ = completion_logprobs(model, pack(prompts, ids, mask, tok.pad_token_id), temperature=0.7)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        want, _ = reference_logprobs(model, p, c, temperature=0.7)
+        torch.testing.assert_close(got[i, : len(c)], want, atol=1e-5, rtol=0)
+        assert bool((got[i, len(c):] == 0).all())
+
+
+# ------------------------------------------------------------------------------------------ GRPO on the tiny model
+def digit_reward(tok):
+    digits = torch.tensor([i for i in range(len(tok)) if tok.decode([i]).strip().isdigit()])
+
+    def reward(batch):
+        hits = torch.isin(batch.completion_ids, digits) & batch.completion_mask
+        return hits.sum(1).float() / batch.completion_lengths.float()
+
+    return reward
+
+
+def ids(tok, prompts=PROMPTS):
+    return [tok.encode(p) for p in prompts]
+
+
+@pytest.mark.parametrize("loss_norm", ["token", "sequence"])
+def test_grpo_steps_through_a_shared_worker_have_zero_logprob_gap(tiny, loss_norm):
+    model, tok = tiny
+    ref = copy.deepcopy(model).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    config = GRPOConfig(num_generations=4, max_new_tokens=8, num_epochs=2, beta=0.01, loss_norm=loss_norm)
+    with RolloutWorker(model, WorkerConfig(), tokenizer=tok) as worker:
+        trainer = GRPOTrainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), digit_reward(tok),
+                              lambda step: ids(tok), worker, config, ref_model=ref)
+        history = trainer.train(3)
+        assert worker.policy_version == 3
+    for m in history:
+        assert math.isfinite(m["loss"]) and math.isfinite(m["kl"])
+        assert m["logprob_gap_max"] < GAP, m
+        assert m["rollout_tokens_per_s"] > 0 and m["refresh_s"] >= 0 and m["staleness"] == 0
+    assert history[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # step 1 samples from the reference itself
+    assert history[-1]["kl"] > 0
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_grpo_with_truncated_is_and_micro_batches_stays_exact(tiny):
+    model, tok = tiny
+    config = GRPOConfig(num_generations=4, max_new_tokens=6, num_epochs=2, tis_cap=2.0, micro_batch_size=5)
+    with RolloutWorker(model, WorkerConfig(), tokenizer=tok) as worker:
+        trainer = GRPOTrainer(model, torch.optim.SGD(model.parameters(), lr=0.5), digit_reward(tok),
+                              iter([ids(tok)] * 2), worker, config)
+        history = trainer.train(5)  # the prompt iterable holds 2 steps: train stops there
+    assert len(history) == 2
+    assert all(math.isfinite(m["loss"]) and m["logprob_gap_max"] < GAP for m in history)
+    assert math.isnan(history[0]["kl"])  # no reference model: no KL to report
+    assert history[0]["clip_frac"] > 0  # the second epoch moved the policy past the clip with this learning rate
+
+
+@pytest.mark.parametrize("loss_norm", ["token", "sequence"])
+def test_micro_batches_give_the_full_batch_update(tiny, loss_norm):
+    model, tok = tiny
+    with RolloutWorker(model, WorkerConfig(), tokenizer=tok) as worker:
+        sampling = [SamplingParams(n=3, max_new_tokens=2 + 3 * i) for i in range(len(PROMPTS))]  # ragged rows
+        batch = worker.generate(ids(tok), sampling)
+    advantages = losses.group_advantages(torch.randn(len(batch), generator=torch.Generator().manual_seed(0)), 3)
+    updated = []
+    for micro in (None, 5):
+        policy = copy.deepcopy(model)
+        config = GRPOConfig(num_generations=3, loss_norm=loss_norm, micro_batch_size=micro, max_grad_norm=None)
+        trainer = GRPOTrainer(policy, torch.optim.SGD(policy.parameters(), lr=1.0), None, [],
+                              SimpleNamespace(model=policy, tokenizer=tok), config)
+        stats = trainer._update(batch, advantages, None)
+        updated.append((stats["loss"], torch.cat([p.detach().flatten() for p in policy.parameters()])))
+    assert updated[0][0] == pytest.approx(updated[1][0], abs=1e-6)
+    torch.testing.assert_close(updated[0][1], updated[1][1], atol=1e-6, rtol=1e-5)
+
+
+def test_grpo_pushes_weights_to_a_worker_with_its_own_copy(tiny_path):
+    model, tok = load_tiny_model(tiny_path)
+    with RolloutWorker(tiny_path, WorkerConfig()) as worker:
+        assert worker.model is not model
+        trainer = GRPOTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), digit_reward(tok),
+                              lambda step: ids(tok), worker, GRPOConfig(num_generations=4, max_new_tokens=8))
+        history = trainer.train(3)
+        assert worker.policy_version == 3
+        assert worker.weights_fingerprint() == _fingerprint(model)
+    assert all(m["logprob_gap_max"] < GAP for m in history), history
+
+
+def test_logprob_gap_catches_a_weight_sync_that_silently_does_nothing(tiny_path, monkeypatch):
+    import trainers_integration.grpo as grpo
+
+    model, tok = load_tiny_model(tiny_path)
+    monkeypatch.setattr(grpo, "push_weights", lambda rollouts, model, version: 0.0)
+    with RolloutWorker(tiny_path, WorkerConfig()) as worker:
+        trainer = GRPOTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), digit_reward(tok),
+                              lambda step: ids(tok), worker, GRPOConfig(num_generations=4, max_new_tokens=8))
+        first, second = trainer.train(2)
+    assert first["logprob_gap_max"] < GAP  # same initial weights on both sides
+    assert second["logprob_gap_max"] > 1e-2  # the trainer moved on, the worker did not
+
+
+def test_grpo_rejects_a_reward_per_prompt_instead_of_per_row(tiny):
+    model, tok = tiny
+    with RolloutWorker(model, WorkerConfig(), tokenizer=tok) as worker:
+        trainer = GRPOTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda b: [0.0] * 4,
+                              lambda step: ids(tok), worker, GRPOConfig(num_generations=2, max_new_tokens=4))
+        with pytest.raises(ValueError, match="one float per row"):
+            trainer.step()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=0.0), "temperature"), (dict(num_generations=0), "num_generations"),
+    (dict(loss_norm="batch"), "loss_norm"), (dict(tis_cap=0.5), "tis_cap"), (dict(clip_low=1.0), "clip_low"),
+])
+def test_grpo_config_rejects_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GRPOConfig(**kwargs)
+
+
+def test_grpo_with_beta_needs_a_reference(tiny):
+    model, tok = tiny
+    with pytest.raises(ValueError, match="ref_model"):
+        GRPOTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda b: [], [], object(),
+                    GRPOConfig(beta=0.1))
+
+
+# ------------------------------------------------------------------------------------------ PPO on the tiny model
+@pytest.mark.parametrize("critic", ["value_head", "critic_model"])
+def test_ppo_steps_are_finite_and_exact(tiny, tiny_path, critic):
+    model, tok = tiny
+    ref = copy.deepcopy(model).eval()
+    value = ValueHead.for_model(model) if critic == "value_head" else CriticModel(load_tiny_model(tiny_path)[0])
+    optimizer = torch.optim.AdamW([*model.parameters(), *value.parameters()], lr=3e-3)
+    config = PPOConfig(num_generations=2, max_new_tokens=8, num_epochs=2, kl_coef=0.05)
+    with RolloutWorker(model, WorkerConfig(), tokenizer=tok) as worker:
+        trainer = PPOTrainer(model, value, optimizer, digit_reward(tok), lambda step: ids(tok), worker, config,
+                             ref_model=ref)
+        history = trainer.train(3)
+    for m in history:
+        for key in ("loss", "pg_loss", "value_loss", "kl", "grad_norm"):
+            assert math.isfinite(m[key]), (key, m)
+        assert m["logprob_gap_max"] < GAP, m
+    assert history[0]["value_mean"] == 0.0  # zero-initialised head
+    assert history[-1]["value_mean"] != 0.0  # the value model learned something
+
+
+def test_ppo_rejects_an_optimizer_without_the_value_parameters(tiny):
+    model, tok = tiny
+    with pytest.raises(ValueError, match="value_model"):
+        PPOTrainer(model, ValueHead.for_model(model), torch.optim.SGD(model.parameters(), lr=0.1), lambda b: [],
+                   [], model)
+
+
+# ------------------------------------------------------------------------------------------ the demo, shortened
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("demo")  # shared: the demo builds its tiny model there once
+
+
+def test_demo_learns_in_a_few_steps(demo_dir, tmp_path, capsys):
+    from trainers_integration.demo import main
+
+    plot = tmp_path / "reward.png"
+    rc = main(["--steps", "12", "--lr", "1e-2", "--seed", "0", "--out", str(demo_dir), "--plot", str(plot),
+               "--min-gain", "0.2"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0, "\n".join(out)
+    steps = [line for line in out if line.startswith("step ")]
+    assert len(steps) == 12 and all(k in steps[0] for k in ("reward", "kl", "gap", "tok/s"))
+    first, last = (float(x) for x in out[-1].removeprefix("reward: ").split(" -> "))
+    assert last - first >= 0.2
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    records = [json.loads(line) for line in (demo_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 12 and max(r["logprob_gap_max"] for r in records) < GAP
+
+
+def test_demo_exits_nonzero_when_the_reward_does_not_rise(demo_dir, capsys):
+    from trainers_integration.demo import main
+
+    assert main(["--steps", "1", "--out", str(demo_dir), "--plot", ""]) == 1
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("reward: ")
+
+
+def _fingerprint(model):
+    from rollout.weights import fingerprint
+
+    return fingerprint(model)
+

@@ -1,0 +1,13 @@
+"""Trainers on the rollout engine: GRPO, PPO, and a TRL adapter. Depends on `rollout`; `rollout` never imports this.
+
+    from trainers_integration import GRPOTrainer, GRPOConfig
+    trainer = GRPOTrainer(policy, optimizer, reward_fn, prompts, rollouts=RolloutWorker(policy, ...))
+
+`trainers_integration.trl` (TRL's GRPOTrainer on this engine) imports TRL only when used.
+"""
+
+from .grpo import GRPOConfig, GRPOTrainer
+from .ppo import PPOConfig, PPOTrainer
+from .value import CriticModel, ValueHead
+
+__all__ = ["CriticModel", "GRPOConfig", "GRPOTrainer", "PPOConfig", "PPOTrainer", "ValueHead"]

@@ -1,0 +1,228 @@
+"""GRPO on the rollout engine: generate -> reward -> group advantages -> clipped update -> refresh.
+
+    rollouts = RolloutWorker(policy, config, tokenizer)       # shares the policy in place (or a RolloutFleet)
+    trainer = GRPOTrainer(policy, optimizer, reward_fn, prompts, rollouts, GRPOConfig(num_generations=8))
+    for _ in range(100):
+        metrics = trainer.step()
+
+Contract of one step:
+1. `rollouts.generate(prompts, SamplingParams(n=num_generations, temperature=T, ...))`; rows come back prompt-major.
+2. `reward_fn(batch) -> R floats`; advantages are group-normalised per prompt (`losses.group_advantages`).
+3. `num_epochs` passes over the batch, one optimizer step each. The behaviour policy of the clipped ratio is the
+   rollout's own `logprobs` (full-vocabulary log_softmax(logits / T), what this trainer's forward recomputes), or,
+   with `tis_cap`, the trainer's logprobs at the start of the step with a truncated importance weight
+   min(pi_trainer / pi_rollout, tis_cap) for rollouts from stale or numerically different weights.
+4. The rollout side gets the new weights: `refresh()` for a worker sharing the policy, `update_weights` otherwise.
+
+Logged per step: reward mean/std, KL to the reference (when given), clip fraction, rollout tokens/s, rollout /
+train / refresh seconds, and the train/rollout logprob gap on the first epoch (~1e-6 for a shared in-place worker).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rollout import RolloutBatch, SamplingParams
+
+from . import losses
+from .forward import completion_logprobs, pack
+from .rollouts import (PromptsExhausted, logprob_gap, pad_token_id, prompt_stream, push_weights,
+                       reference_logprobs, rewards_tensor, shares_model, timed_generate)
+
+RewardFn = Callable[[RolloutBatch], Any]
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """num_generations: samples per prompt (the group). temperature, max_new_tokens, stop_token_ids: sampling (no
+        top-k / top-p: the behaviour policy must be the full-vocabulary distribution the trainer recomputes).
+    num_epochs: optimizer steps per batch (PPO-style reuse; the clip keeps later epochs near the behaviour policy).
+    clip_low, clip_high: ratio clip range [1 - clip_low, 1 + clip_high] (clip_high > clip_low is DAPO's clip-higher).
+    beta: weight of the k3 KL penalty to `ref_model` (the KL is logged whenever a ref_model is given).
+    loss_norm: "token" (every token weighs the same) or "sequence" (every completion weighs the same).
+    scale_rewards: divide group-centred rewards by the group std (False: Dr. GRPO).
+    tis_cap: None, or the cap of truncated importance sampling against the rollout's logprobs.
+    max_grad_norm: gradient clipping (None: off). micro_batch_size: rows per forward (None: the whole batch).
+    chat_template: apply the tokenizer's chat template to text prompts.
+    """
+
+    num_generations: int = 8
+    temperature: float = 1.0
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] | None = None
+    num_epochs: int = 1
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    beta: float = 0.0
+    loss_norm: str = "token"
+    scale_rewards: bool = True
+    tis_cap: float | None = None
+    max_grad_norm: float | None = 1.0
+    micro_batch_size: int | None = None
+    chat_template: bool = False
+
+    def __post_init__(self) -> None:
+        check_config(self)
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(n=self.num_generations, temperature=self.temperature,
+                              max_new_tokens=self.max_new_tokens, stop_token_ids=self.stop_token_ids)
+
+
+def check_config(cfg) -> None:
+    """Checks shared by GRPOConfig and PPOConfig (same field names)."""
+    for name in ("num_generations", "num_epochs"):
+        value = getattr(cfg, name, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1. Fix: use e.g. 1 or 8.")
+    if not (isinstance(cfg.temperature, (int, float)) and math.isfinite(cfg.temperature) and cfg.temperature > 0):
+        raise ValueError(f"temperature={cfg.temperature!r} is invalid: training needs sampled rollouts. Fix: use a "
+                         "temperature > 0, e.g. 1.0.")
+    for name in ("clip_low", "clip_high"):
+        if not 0 <= getattr(cfg, name) < 1:
+            raise ValueError(f"{name}={getattr(cfg, name)!r} is invalid: must be in [0, 1). Fix: use e.g. 0.2.")
+    if getattr(cfg, "loss_norm", "token") not in losses.LOSS_NORMS:
+        raise ValueError(f"loss_norm={cfg.loss_norm!r} is invalid: must be one of {losses.LOSS_NORMS}. Fix: pick "
+                         "one of those.")
+    if getattr(cfg, "tis_cap", None) is not None and not cfg.tis_cap >= 1.0:
+        raise ValueError(f"tis_cap={cfg.tis_cap!r} is invalid: must be >= 1 (or None). Fix: use e.g. 2.0.")
+    if cfg.micro_batch_size is not None and (not isinstance(cfg.micro_batch_size, int) or cfg.micro_batch_size < 1):
+        raise ValueError(f"micro_batch_size={cfg.micro_batch_size!r} is invalid: must be >= 1 or None. Fix: use "
+                         "None for the whole batch.")
+
+
+class GRPOTrainer:
+    """Group-relative policy optimisation over a `rollouts` object (see module docstring).
+
+    model: the policy being trained; optimizer: over its parameters; reward_fn(batch) -> R floats;
+    prompts: `step -> list of prompts` or an iterable of per-step prompt lists (token ids, text, or chat messages);
+    ref_model: frozen reference for the KL (scored through `rollout.score`).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, reward_fn: RewardFn, prompts,
+                 rollouts: Any, config: GRPOConfig | None = None, ref_model: torch.nn.Module | None = None) -> None:
+        self.model, self.optimizer, self.reward_fn, self.rollouts = model, optimizer, reward_fn, rollouts
+        self.config = config if config is not None else GRPOConfig()
+        self.ref_model = ref_model
+        if self.config.beta and ref_model is None:
+            raise ValueError(f"beta={self.config.beta} needs a reference model. Fix: pass ref_model=... (e.g. a "
+                             "frozen copy of the initial policy) or use beta=0.")
+        self._prompts = prompt_stream(prompts)
+        self.num_steps = 0
+        self.history: list[dict[str, float]] = []
+        self.base_version = int(getattr(rollouts, "policy_version", 0))  # rollout versions continue from here
+        if not shares_model(rollouts, model):  # an own copy or a fleet: start from the policy's exact weights
+            push_weights(rollouts, model, version=self.base_version)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def train(self, num_steps: int, log: Callable[[dict], None] | None = None) -> list[dict[str, float]]:
+        """Up to `num_steps` steps (fewer if an iterable prompt source runs out); returns the history."""
+        for _ in range(num_steps):
+            try:
+                metrics = self.step()
+            except PromptsExhausted:  # raised before any work of the step
+                break
+            if log is not None:
+                log(metrics)
+        return self.history
+
+    def step(self) -> dict[str, float]:
+        cfg = self.config
+        start = time.perf_counter()
+        batch, rollout_s = timed_generate(self.rollouts, self._prompts(self.num_steps), cfg.sampling(),
+                                          cfg.chat_template)
+        rewards = rewards_tensor(self.reward_fn(batch), len(batch))
+        advantages = losses.group_advantages(rewards, cfg.num_generations, scale=cfg.scale_rewards)
+        ref = reference_logprobs(self.ref_model, batch, cfg.temperature) if self.ref_model is not None else None
+        train_start = time.perf_counter()
+        stats = self._update(batch, advantages, ref)
+        train_s = time.perf_counter() - train_start
+        self.num_steps += 1
+        refresh_s = push_weights(self.rollouts, self.model, version=self.base_version + self.num_steps)
+        metrics = {
+            "step": self.num_steps, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+            **stats, "completion_len": float(batch.completion_lengths.float().mean()),
+            "rollout_tokens": batch.num_tokens, "rollout_tokens_per_s": batch.num_tokens / max(rollout_s, 1e-9),
+            "rollout_s": rollout_s, "train_s": train_s, "refresh_s": refresh_s,
+            "staleness": float(self.base_version + self.num_steps - 1 - int(batch.policy_version.min())),
+            "step_s": time.perf_counter() - start,
+        }
+        self.history.append(metrics)
+        return metrics
+
+    def _update(self, batch: RolloutBatch, advantages: torch.Tensor, ref: torch.Tensor | None) -> dict[str, float]:
+        cfg, device = self.config, self.device
+        mask = batch.completion_mask.to(device)
+        rollout_lp = batch.logprobs.to(device)
+        advantages = advantages.to(device)
+        ref = ref.to(device) if ref is not None else None
+        old_lp = torch.zeros_like(rollout_lp)  # the trainer's logprobs at the start of the step (epoch 0)
+        num_tokens, num_rows = int(mask.sum()), len(batch)
+        size = cfg.micro_batch_size or num_rows
+        chunks = [slice(i, min(i + size, num_rows)) for i in range(0, num_rows, size)]
+        pad = pad_token_id(self.rollouts)
+        totals = dict(loss=0.0, clip=0.0, kl=0.0, grad_norm=0.0)
+        gap_max, gap_sum = 0.0, 0.0
+        self.model.train()
+        for epoch in range(cfg.num_epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            for rows in chunks:
+                packed = pack(batch.prompt_ids[rows], batch.completion_ids[rows], batch.completion_mask[rows], pad,
+                              device)
+                logp, _ = completion_logprobs(self.model, packed, cfg.temperature)
+                m = mask[rows]
+                if epoch == 0:
+                    g_max, g_mean = logprob_gap(logp, rollout_lp[rows], m)
+                    gap_max, gap_sum = max(gap_max, g_max), gap_sum + g_mean * int(m.sum())
+                    old_lp[rows] = logp.detach()
+                behaviour = rollout_lp[rows] if cfg.tis_cap is None else old_lp[rows]
+                per_token, clipped = losses.clipped_policy_loss(logp, behaviour, advantages[rows], cfg.clip_low,
+                                                                cfg.clip_high)
+                if cfg.tis_cap is not None:
+                    per_token = per_token * losses.truncated_is_weights(old_lp[rows], rollout_lp[rows], cfg.tis_cap)
+                if ref is not None:
+                    kl = losses.k3_kl(logp, ref[rows])
+                    per_token = per_token + cfg.beta * kl
+                    if epoch == 0:  # KL of the policy that sampled the batch, as PPO reports it
+                        totals["kl"] += float(losses.masked_sum(kl.detach(), m)) / num_tokens
+                share = (int(m.sum()) / num_tokens) if cfg.loss_norm == "token" else (m.shape[0] / num_rows)
+                loss = losses.aggregate(per_token, m, cfg.loss_norm) * share
+                loss.backward()
+                totals["loss"] += float(loss.detach()) / cfg.num_epochs
+                totals["clip"] += float(losses.masked_sum(clipped.float(), m)) / num_tokens / cfg.num_epochs
+            totals["grad_norm"] += clip_grad_norm(self.model, cfg.max_grad_norm) / cfg.num_epochs
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": totals["loss"], "kl": totals["kl"] if ref is not None else float("nan"),
+                "clip_frac": totals["clip"], "grad_norm": totals["grad_norm"], "logprob_gap_max": gap_max,
+                "logprob_gap_mean": gap_sum / max(num_tokens, 1)}
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float | None) -> float:
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    if max_norm is None:
+        return float(torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params])))
+    return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+
+def format_metrics(m: dict[str, float]) -> str:
+    """One progress line: what a person watching a run needs."""
+    kl = "   n/a " if math.isnan(m.get("kl", float("nan"))) else f"{m['kl']:.4f}"
+    return (f"step {m['step']:3d}  reward {m['reward_mean']:.3f} ± {m['reward_std']:.3f}  kl {kl}  "
+            f"clip {m['clip_frac']:.3f}  gap {m['logprob_gap_max']:.1e}  "
+            f"rollout {m['rollout_tokens_per_s']:.0f} tok/s ({m['rollout_s']:.2f}s)  "
+            f"train {m['train_s']:.2f}s  refresh {m['refresh_s'] * 1e3:.1f}ms")
+
+
+__all__ = ["GRPOConfig", "GRPOTrainer", "check_config", "clip_grad_norm", "format_metrics"]

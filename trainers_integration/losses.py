@@ -1,0 +1,133 @@
+"""Pure functions of the policy-gradient losses: advantages, GAE, clipped losses, KL estimators, masks.
+
+Shapes: R rows (one per completion), T completion positions, right-padded; `mask` (R, T) is True on real tokens.
+Every function is a plain tensor function (no model, no rollout object), so each is tested against values worked
+out by hand in tests/test_trainers.py. Masked positions never contribute, whatever they hold.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOSS_NORMS = ("token", "sequence")
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    return torch.where(mask, x, torch.zeros_like(x)).sum() if dim is None else \
+        torch.where(mask, x, torch.zeros_like(x)).sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean over the masked-in entries (0 where there are none)."""
+    count = mask.sum() if dim is None else mask.sum(dim)
+    return masked_sum(x, mask, dim) / count.clamp(min=1)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over the masked-in entries (population std); masked-out entries become 0."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    return torch.where(mask, (x - mean) * torch.rsqrt(var + eps), torch.zeros_like(x))
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
+    """GRPO advantages: each reward minus its group's mean, divided by the group's std when `scale`.
+
+    rewards: (R,) prompt-major, R = num_prompts * group_size (the rows of one prompt are consecutive). The std is
+    the sample std (Bessel-corrected, as in the GRPO paper and TRL); a group whose rewards are all equal gets 0.
+    """
+    if rewards.dim() != 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards has shape {tuple(rewards.shape)}: must be (num_prompts * {group_size},). Fix: "
+                         "pass one reward per row of the RolloutBatch, rows prompt-major.")
+    groups = rewards.float().view(-1, group_size)
+    centred = groups - groups.mean(dim=1, keepdim=True)
+    if scale and group_size > 1:
+        centred = centred / (groups.std(dim=1, keepdim=True) + eps)
+    return centred.view(-1)
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, norm: str = "token") -> torch.Tensor:
+    """Reduce a (R, T) per-token loss to a scalar.
+
+    "token": sum over every real token of the batch / their count (each token weighs the same; DAPO, Dr. GRPO).
+    "sequence": mean over rows of each row's token mean (each completion weighs the same; the GRPO paper).
+    """
+    if norm == "token":
+        return masked_mean(per_token, mask)
+    if norm == "sequence":
+        return masked_mean(per_token, mask, dim=1).mean()
+    raise ValueError(f"loss_norm={norm!r} is invalid: must be one of {LOSS_NORMS}. Fix: pick one of those.")
+
+
+def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                        clip_low: float = 0.2, clip_high: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate, per token: -min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A).
+
+    logprobs: (R, T) under the policy being trained (with grad); old_logprobs: (R, T) of the behaviour policy;
+    advantages: (R,) per row or (R, T) per token. Returns (per-token loss, per-token bool "the clip was active").
+    """
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
+    return -torch.minimum(unclipped, clipped), clipped < unclipped
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token estimator of KL(policy || reference) from samples of the policy (Schulman's k3):
+    exp(ref - logp) - (ref - logp) - 1. Non-negative, 0 where the two agree, unbiased in expectation."""
+    delta = ref_logprobs - logprobs
+    return torch.exp(delta) - delta - 1.0
+
+
+def truncated_is_weights(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+                         cap: float) -> torch.Tensor:
+    """Truncated importance sampling (Yao et al., 2025): min(pi_trainer(token) / pi_rollout(token), cap), per token,
+    no gradient. Corrects for rollouts sampled by a stale or numerically different policy."""
+    return torch.exp(trainer_logprobs.detach() - rollout_logprobs).clamp(max=cap)
+
+
+def kl_shaped_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
+                      mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
+    """PPO-RLHF token rewards: -kl_coef * (logp - ref_logp) on every token, plus the scalar score on each row's last
+    real token. scores: (R,); logprobs, ref_logprobs, mask: (R, T). Returns (R, T), 0 on padding."""
+    rewards = torch.zeros_like(logprobs)
+    if ref_logprobs is not None and kl_coef:
+        rewards = -kl_coef * (logprobs - ref_logprobs)
+    last = mask.long().sum(dim=1).clamp(min=1) - 1
+    rewards = rewards.clone()
+    rewards[torch.arange(len(scores)), last] += scores.to(rewards.dtype)
+    return torch.where(mask, rewards, torch.zeros_like(rewards))
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+        lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over each row's real tokens; the state after the last token is terminal.
+
+    delta_t = r_t + gamma * V_{t+1} - V_t (V after the last real token = 0),
+    A_t = delta_t + gamma * lam * A_{t+1}. Returns (advantages, returns = advantages + values), both (R, T), 0 on
+    padding. Rows are right-padded, so padding only ever follows a row's real tokens.
+    """
+    rewards = torch.where(mask, rewards, torch.zeros_like(rewards))
+    values = torch.where(mask, values, torch.zeros_like(values))
+    advantages = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    next_value = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = delta + gamma * lam * running
+        running = torch.where(mask[:, t], running, torch.zeros_like(running))
+        advantages[:, t] = running
+        next_value = values[:, t]
+    return advantages, torch.where(mask, advantages + values, torch.zeros_like(values))
+
+
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                       clip: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped value loss, per token: 0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2).
+    Returns (per-token loss, per-token bool "the clipped branch was the larger")."""
+    clipped_values = old_values + torch.clamp(values - old_values, -clip, clip)
+    loss_unclipped = (values - returns) ** 2
+    loss_clipped = (clipped_values - returns) ** 2
+    return 0.5 * torch.maximum(loss_unclipped, loss_clipped), loss_clipped > loss_unclipped

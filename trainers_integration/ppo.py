@@ -1,0 +1,212 @@
+"""PPO on the rollout engine: generate -> score -> KL-shaped token rewards -> GAE -> clipped policy + value update.
+
+    head = ValueHead.for_model(policy)                       # or CriticModel(copy_of_policy)
+    optimizer = torch.optim.AdamW([*policy.parameters(), *head.parameters()], lr=1e-5)
+    trainer = PPOTrainer(policy, head, optimizer, reward_fn, prompts, rollouts, PPOConfig(), ref_model=ref)
+    metrics = trainer.step()
+
+Contract of one step:
+1. `rollouts.generate` (same API as GRPO); `reward_fn(batch) -> R` scalar scores, one per completion.
+2. Old values (no grad) from the value model; token rewards = -kl_coef * (logp_rollout - logp_ref) on every token
+   plus the score on the last token (`losses.kl_shaped_rewards`); advantages and returns by GAE, advantages
+   whitened over the batch.
+3. `num_epochs` optimizer steps over the batch: clipped ratio against the rollout's `logprobs` (the behaviour
+   policy) plus `vf_coef` times the clipped value loss.
+4. The rollout side gets the new policy weights (`refresh()` in place, else `update_weights`); the value model
+   never leaves the trainer.
+
+Logged per step: as GRPO (reward, KL to the reference, clip fraction, rollout tokens/s and times, logprob gap on
+the first epoch), plus value loss and value clip fraction.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rollout import RolloutBatch, SamplingParams
+
+from . import losses
+from .forward import Packed, completion_logprobs, pack
+from .grpo import RewardFn, check_config, clip_grad_norm
+from .rollouts import (PromptsExhausted, logprob_gap, pad_token_id, prompt_stream, push_weights,
+                       reference_logprobs, rewards_tensor, shares_model, timed_generate)
+from .value import ValueHead
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    """num_generations: samples per prompt. temperature, max_new_tokens, stop_token_ids: sampling.
+    num_epochs: optimizer steps per batch. clip_low, clip_high: policy ratio clip. value_clip: how far a value may
+    move from its old estimate before the clipped loss takes over. vf_coef: weight of the value loss.
+    kl_coef: weight of the per-token KL penalty folded into the rewards (needs ref_model; the KL is logged whenever
+    a ref_model is given). gamma, lam: GAE discount and trace decay. whiten_advantages: normalise advantages over
+    the batch. max_grad_norm, micro_batch_size, chat_template: as in GRPOConfig.
+    """
+
+    num_generations: int = 1
+    temperature: float = 1.0
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] | None = None
+    num_epochs: int = 4
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    value_clip: float = 0.2
+    vf_coef: float = 0.5
+    kl_coef: float = 0.05
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_advantages: bool = True
+    max_grad_norm: float | None = 1.0
+    micro_batch_size: int | None = None
+    chat_template: bool = False
+
+    def __post_init__(self) -> None:
+        check_config(self)
+        for name in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be in [0, 1]. Fix: use e.g. 1.0 "
+                                 "for gamma, 0.95 for lam.")
+        if self.value_clip <= 0 or self.vf_coef < 0 or self.kl_coef < 0:
+            raise ValueError("value_clip must be > 0, vf_coef and kl_coef >= 0. Fix: use e.g. value_clip=0.2, "
+                             "vf_coef=0.5, kl_coef=0.05.")
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(n=self.num_generations, temperature=self.temperature,
+                              max_new_tokens=self.max_new_tokens, stop_token_ids=self.stop_token_ids)
+
+
+class PPOTrainer:
+    """PPO over a `rollouts` object. value_model: a `ValueHead` on the policy's hidden states, or a critic module
+    mapping a `Packed` batch to (R, T) values (e.g. `CriticModel`). The optimizer must cover the policy and the
+    value model."""
+
+    def __init__(self, model: torch.nn.Module, value_model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 reward_fn: RewardFn, prompts, rollouts: Any, config: PPOConfig | None = None,
+                 ref_model: torch.nn.Module | None = None) -> None:
+        self.model, self.value_model, self.optimizer = model, value_model, optimizer
+        self.reward_fn, self.rollouts = reward_fn, rollouts
+        self.config = config if config is not None else PPOConfig()
+        self.ref_model = ref_model
+        self._check_optimizer()
+        self._prompts = prompt_stream(prompts)
+        self.num_steps = 0
+        self.history: list[dict[str, float]] = []
+        self.base_version = int(getattr(rollouts, "policy_version", 0))  # rollout versions continue from here
+        if not shares_model(rollouts, model):  # an own copy or a fleet: start from the policy's exact weights
+            push_weights(rollouts, model, version=self.base_version)
+
+    def _check_optimizer(self) -> None:
+        covered = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        for name, module in (("model", self.model), ("value_model", self.value_model)):
+            trainable = [p for p in module.parameters() if p.requires_grad]
+            if trainable and not any(id(p) in covered for p in trainable):
+                raise ValueError(f"the optimizer holds none of {name}'s parameters. Fix: build it over both, e.g. "
+                                 "AdamW([*policy.parameters(), *value_model.parameters()]).")
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def train(self, num_steps: int, log=None) -> list[dict[str, float]]:
+        """Up to `num_steps` steps (fewer if an iterable prompt source runs out); returns the history."""
+        for _ in range(num_steps):
+            try:
+                metrics = self.step()
+            except PromptsExhausted:  # raised before any work of the step
+                break
+            if log is not None:
+                log(metrics)
+        return self.history
+
+    def step(self) -> dict[str, float]:
+        cfg = self.config
+        start = time.perf_counter()
+        batch, rollout_s = timed_generate(self.rollouts, self._prompts(self.num_steps), cfg.sampling(),
+                                          cfg.chat_template)
+        scores = rewards_tensor(self.reward_fn(batch), len(batch))
+        ref = reference_logprobs(self.ref_model, batch, cfg.temperature) if self.ref_model is not None else None
+        train_start = time.perf_counter()
+        stats = self._update(batch, scores, ref)
+        train_s = time.perf_counter() - train_start
+        self.num_steps += 1
+        refresh_s = push_weights(self.rollouts, self.model, version=self.base_version + self.num_steps)
+        metrics = {
+            "step": self.num_steps, "reward_mean": float(scores.mean()),
+            "reward_std": float(scores.std()) if len(scores) > 1 else 0.0, **stats,
+            "completion_len": float(batch.completion_lengths.float().mean()),
+            "rollout_tokens": batch.num_tokens, "rollout_tokens_per_s": batch.num_tokens / max(rollout_s, 1e-9),
+            "rollout_s": rollout_s, "train_s": train_s, "refresh_s": refresh_s,
+            "staleness": float(self.base_version + self.num_steps - 1 - int(batch.policy_version.min())),
+            "step_s": time.perf_counter() - start,
+        }
+        self.history.append(metrics)
+        return metrics
+
+    def _forward(self, packed: Packed) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs, values), both (R, T): one policy forward for a ValueHead, policy + critic otherwise."""
+        head = isinstance(self.value_model, ValueHead)
+        logp, hidden = completion_logprobs(self.model, packed, self.config.temperature, return_hidden=head)
+        values = self.value_model(hidden) if head else self.value_model(packed)
+        return logp, values.float()
+
+    def _update(self, batch: RolloutBatch, scores: torch.Tensor, ref: torch.Tensor | None) -> dict[str, float]:
+        cfg, device = self.config, self.device
+        mask = batch.completion_mask.to(device)
+        rollout_lp = batch.logprobs.to(device)
+        ref = ref.to(device) if ref is not None else None
+        num_tokens, num_rows = int(mask.sum()), len(batch)
+        size = cfg.micro_batch_size or num_rows
+        pad = pad_token_id(self.rollouts)
+        packs = [(rows, pack(batch.prompt_ids[rows], batch.completion_ids[rows], batch.completion_mask[rows], pad,
+                             device)) for rows in (slice(i, min(i + size, num_rows)) for i in range(0, num_rows, size))]
+        self.model.eval()
+        self.value_model.eval()
+        with torch.no_grad():
+            old_values = torch.cat([self._old_values(p) for _, p in packs])
+        rewards = losses.kl_shaped_rewards(scores.to(device), rollout_lp, ref, mask, cfg.kl_coef)
+        advantages, returns = losses.gae(rewards, old_values, mask, cfg.gamma, cfg.lam)
+        if cfg.whiten_advantages:
+            advantages = losses.masked_whiten(advantages, mask)
+        totals = dict(loss=0.0, pg_loss=0.0, value_loss=0.0, clip=0.0, vclip=0.0, grad_norm=0.0)
+        gap_max, gap_sum = 0.0, 0.0
+        self.model.train()
+        self.value_model.train()
+        for epoch in range(cfg.num_epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            for rows, packed in packs:
+                logp, values = self._forward(packed)
+                m = mask[rows]
+                if epoch == 0:
+                    g_max, g_mean = logprob_gap(logp, rollout_lp[rows], m)
+                    gap_max, gap_sum = max(gap_max, g_max), gap_sum + g_mean * int(m.sum())
+                pg, clipped = losses.clipped_policy_loss(logp, rollout_lp[rows], advantages[rows], cfg.clip_low,
+                                                         cfg.clip_high)
+                vf, vclipped = losses.clipped_value_loss(values, old_values[rows], returns[rows], cfg.value_clip)
+                share = int(m.sum()) / num_tokens
+                pg_loss = losses.masked_mean(pg, m) * share
+                value_loss = losses.masked_mean(vf, m) * share
+                loss = pg_loss + cfg.vf_coef * value_loss
+                loss.backward()
+                for key, value in (("loss", loss), ("pg_loss", pg_loss), ("value_loss", value_loss)):
+                    totals[key] += float(value.detach()) / cfg.num_epochs
+                totals["clip"] += float(losses.masked_sum(clipped.float(), m)) / num_tokens / cfg.num_epochs
+                totals["vclip"] += float(losses.masked_sum(vclipped.float(), m)) / num_tokens / cfg.num_epochs
+            params = torch.nn.ModuleList([self.model, self.value_model])
+            totals["grad_norm"] += clip_grad_norm(params, cfg.max_grad_norm) / cfg.num_epochs
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        kl = float(losses.masked_mean(losses.k3_kl(rollout_lp, ref), mask)) if ref is not None else float("nan")
+        return {"loss": totals["loss"], "pg_loss": totals["pg_loss"], "value_loss": totals["value_loss"],
+                "kl": kl, "clip_frac": totals["clip"], "value_clip_frac": totals["vclip"],
+                "grad_norm": totals["grad_norm"], "value_mean": float(losses.masked_mean(old_values, mask)),
+                "logprob_gap_max": gap_max, "logprob_gap_mean": gap_sum / max(num_tokens, 1)}
+
+    def _old_values(self, packed: Packed) -> torch.Tensor:
+        if isinstance(self.value_model, ValueHead):
+            _, hidden = completion_logprobs(self.model, packed, self.config.temperature, return_hidden=True)
+            return self.value_model(hidden).float()
+        return self.value_model(packed).float()

@@ -1,0 +1,102 @@
+"""The rollout side as a trainer sees it: generate, push weights, score with a reference model.
+
+`rollouts` is anything with `generate(prompts, sampling=..., chat_template=...) -> RolloutBatch` and
+`update_weights(state_dict, version=...)`: a `RolloutWorker` (sharing the policy in place, or holding its own
+copy) or a `RolloutFleet`. A worker whose `.model` *is* the policy shares its parameters: after `optimizer.step()`
+it only needs `refresh()` (a fence, prefix-cache invalidation and a version bump; no copy). Anything else receives
+the policy's state dict.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from rollout import RolloutBatch
+
+
+def shares_model(rollouts: Any, model: torch.nn.Module) -> bool:
+    """True when `rollouts` generates with `model`'s own parameters (an in-place RolloutWorker)."""
+    return getattr(rollouts, "model", None) is model
+
+
+def push_weights(rollouts: Any, model: torch.nn.Module, version: int) -> float:
+    """Bring the rollout side to the policy's current weights, tagged `version`; returns the seconds it took."""
+    start = time.perf_counter()
+    if shares_model(rollouts, model):
+        rollouts.refresh(version)
+    else:
+        state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+        rollouts.update_weights(state, version=version)
+    return time.perf_counter() - start
+
+
+def timed_generate(rollouts: Any, prompts, sampling, chat_template: bool = False) -> tuple[RolloutBatch, float]:
+    start = time.perf_counter()
+    batch = rollouts.generate(prompts, sampling=sampling, chat_template=chat_template)
+    return batch, time.perf_counter() - start
+
+
+def reference_logprobs(ref_model: torch.nn.Module, batch: RolloutBatch, temperature: float,
+                       device: torch.device | str | None = None) -> torch.Tensor:
+    """(R, T) logprobs of the batch's completions under `ref_model`, through the re-scoring path
+    (`rollout.score`), padded like `batch.logprobs`."""
+    from rollout import score
+
+    with torch.no_grad():
+        scored = score(ref_model, batch.prompt_ids, batch.completion_token_lists(), temperature=temperature)
+    out = torch.zeros_like(batch.logprobs)
+    for i, row in enumerate(scored):
+        out[i, : len(row)] = row.detach().float().cpu()
+    return out.to(device) if device is not None else out
+
+
+def rewards_tensor(rewards: Any, num_rows: int) -> torch.Tensor:
+    """The reward function's output as an (R,) float tensor, checked for length and finiteness."""
+    values = torch.as_tensor(rewards if isinstance(rewards, torch.Tensor) else list(rewards),
+                             dtype=torch.float32).detach().cpu().flatten()
+    if values.numel() != num_rows:
+        raise ValueError(f"reward_fn returned {values.numel()} rewards for {num_rows} rows. Fix: return one float "
+                         "per row of the RolloutBatch, in row order (prompt-major).")
+    if not bool(torch.isfinite(values).all()):
+        raise ValueError("reward_fn returned NaN or Inf. Fix: return finite rewards.")
+    return values
+
+
+def logprob_gap(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+                mask: torch.Tensor) -> tuple[float, float]:
+    """(max, mean) |trainer logprob - rollout logprob| over real tokens: ~0 when the rollout side holds exactly the
+    weights being trained; it is the health metric that a silent weight-sync failure breaks."""
+    gap = (trainer_logprobs.detach().float() - rollout_logprobs.to(trainer_logprobs.device).float()).abs()[mask]
+    if gap.numel() == 0:
+        return 0.0, 0.0
+    return float(gap.max()), float(gap.mean())
+
+
+class PromptsExhausted(Exception):
+    """The iterable prompt source has no more prompt lists; `train` stops there."""
+
+
+def prompt_stream(prompts: Callable[[int], Any] | Iterable[Any]) -> Callable[[int], Any]:
+    """A prompt source as `step -> prompts`: a callable is used as is; an iterable yields one prompt list per step."""
+    if callable(prompts):
+        return prompts
+    iterator = iter(prompts)
+
+    def next_prompts(step: int) -> Any:
+        try:
+            return next(iterator)
+        except StopIteration:
+            raise PromptsExhausted(f"the prompt iterable ran out at step {step}") from None
+
+    return next_prompts
+
+
+def pad_token_id(rollouts: Any) -> int:
+    """The rollout side's pad id (0 when it has no tokenizer): fills padding of packed rows, never read."""
+    tokenizer = getattr(rollouts, "tokenizer", None)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return int(pad) if pad is not None else 0
