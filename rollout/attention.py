@@ -6,11 +6,11 @@ other sequence's context, the KV heads are repeated for GQA, and the mask buffer
 step. Here, registered under the name `rollout_paged` through transformers' `AttentionInterface`:
 
 - the engine allocates no mask (`attn_mask_is_needed` is false for any name but "sdpa" / "paged|eager");
-- the cache write goes through `PagedAttentionCache.update` as with sdpa, but the read index is re-laid out once per
-  forward step so the single read (`index_select`) returns the decode rows already padded into a
-  [rows, max_len] grid, followed by the prefill rows, one after the other;
-- all decode rows (one query token each) of a step run as one batched SDPA with a key-padding mask, their query
-  heads grouped onto their KV heads (no `repeat_kv`); rows are bucketed by length so padding stays small;
+- the step's new KV is written into the paged cache by the engine's cache allocator as with sdpa, and read back per
+  bucket of rows (not once for the whole step), so each bucket's keys are still in the CPU cache when its SDPA runs;
+- decode rows (one query token each) are bucketed by key length; each bucket runs one SDPA with a key-padding mask
+  (none when its rows have equal lengths, as the lock-step samples of one prompt do), query heads grouped onto their
+  KV heads, so no `repeat_kv`;
 - each prefill or prefill-chunk row runs its own SDPA: causal when it starts at position 0, bottom-right causal
   (a [q, k] mask) when it continues a chunk or a prefix-cache hit; GQA through SDPA's `enable_gqa`.
 - Sliding-window layer groups read through the engine's own index and run one SDPA per row with a window mask.
@@ -38,9 +38,11 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "rollout_paged"
 AUTO = "auto"
-# Bucketing of decode rows: a new bucket starts when padding the next (longer) row into the current bucket would
-# cost more key reads than a fixed per-call overhead, expressed in key tokens.
-BUCKET_OVERHEAD_TOKENS = 2048
+# Decode rows are bucketed by key length. A row joins the current bucket when padding the bucket to its length costs
+# fewer key reads than one more SDPA call (CALL_TOKENS, in key tokens per row) and the bucket's KV stays small enough
+# to be read straight back from the CPU cache by the SDPA that follows (BUCKET_BYTES).
+CALL_TOKENS = 64
+BUCKET_BYTES = 4 * 2**20
 
 
 @dataclass
@@ -48,7 +50,7 @@ class DecodeGroup:
     """Decode rows (one query token each) run as one SDPA over a [n, max_len] key grid."""
 
     query_index: torch.Tensor | None  # [n] positions of the rows' query tokens; None: the first n tokens, in order
-    key_start: int  # offset of the grid in the read-back keys
+    read_index: torch.Tensor  # [n * max_len] physical cache rows of the grid (padding repeats a row's last key)
     num_rows: int
     max_len: int
     mask: torch.Tensor | None  # [n, 1, 1, max_len] bool, True = attend; None when every row has max_len keys
@@ -60,16 +62,14 @@ class PrefillRow:
 
     query_start: int
     query_end: int
-    key_start: int
-    key_end: int
+    read_index: torch.Tensor | None  # [k] physical cache rows of its keys; None: its keys are the step's own tokens
     mask: torch.Tensor | None  # [q, k] bool bottom-right causal; None means plain causal (q == k)
 
 
 @dataclass
 class Plan:
-    """How one forward step's attention is laid out for one layer type (built once, used by every layer)."""
+    """How one forward step's attention is laid out for one layer group (built once, used by every layer)."""
 
-    read_index: list[torch.Tensor] | None  # replacement for kwargs["read_index"]; None keeps the engine's
     decode: list[DecodeGroup] = field(default_factory=list)
     prefill: list[PrefillRow] = field(default_factory=list)
     sliding_window: int | None = None
@@ -87,25 +87,27 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             kwargs.get("position_bias") is not None:
         raise NotImplementedError(f"{NAME} supports neither attention sinks, softcap nor position bias. Fix: use "
                                   "WorkerConfig(attn_implementation='sdpa') for this model.")
-    allocator = cache.layer_to_allocator[module.layer_idx]
+    layer = module.layer_idx
+    allocator = cache.layer_to_allocator[layer]
     plan = _plan_for(cache, allocator, kwargs)
-    update_kwargs = dict(kwargs)
-    if plan.read_index is not None:
-        update_kwargs["read_index"] = plan.read_index
-    key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=update_kwargs)
-    # token-major views of the same memory: q [T, H, D], k / v [N, Hkv, D]
-    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
-    num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
-    out = q.new_empty(q.shape[0], num_heads, v.shape[2])  # [T, H, Dv]
-    if plan.sliding_window is not None:
-        _sliding_rows(plan, q, k, v, out, scaling)
+    q = query[0].transpose(0, 1)  # token-major view [T, H, D]
+    out = q.new_empty(q.shape[0], q.shape[1], value.shape[-1])  # [T, H, Dv]
+    if plan.sliding_window is not None:  # the engine's own read (ring buffer), then one SDPA per row
+        key, value = cache.update(key_states=key, value_states=value, layer_idx=layer, kwargs=kwargs)
+        _sliding_rows(plan, q, key[0].transpose(0, 1), value[0].transpose(0, 1), out, scaling)
         return out.unsqueeze(0), None
+    # write the step's new KV ([T, Hkv, D]); an empty read index makes the allocator skip its read-back
+    k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)
+    no_read = kwargs["write_index"][allocator.index][:0]
+    allocator.update(k_new, v_new, layer, no_read, kwargs["write_index"][allocator.index])
+    empty_k, no_write = k_new[:0], no_read
+    num_heads, num_kv_heads, head_dim = q.shape[1], k_new.shape[1], q.shape[2]
     for g in plan.decode:  # one SDPA per bucket; query heads grouped onto their KV head: [n, Hkv, H / Hkv, D]
+        kg, vg = allocator.update(empty_k, empty_k, layer, g.read_index, no_write)  # [n * L, Hkv, D] each
+        kg = kg.view(g.num_rows, g.max_len, num_kv_heads, -1).transpose(1, 2)  # [n, Hkv, L, D]
+        vg = vg.view(g.num_rows, g.max_len, num_kv_heads, -1).transpose(1, 2)
         qg = q[: g.num_rows] if g.query_index is None else q.index_select(0, g.query_index)
         qg = qg.reshape(g.num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        grid = slice(g.key_start, g.key_start + g.num_rows * g.max_len)
-        kg = k[grid].view(g.num_rows, g.max_len, num_kv_heads, -1).transpose(1, 2)  # [n, Hkv, L, D]
-        vg = v[grid].view(g.num_rows, g.max_len, num_kv_heads, -1).transpose(1, 2)
         og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scaling)
         og = og.reshape(g.num_rows, num_heads, -1)
         if g.query_index is None:
@@ -114,11 +116,14 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             out.index_copy_(0, g.query_index, og)
     gqa = num_heads != num_kv_heads
     for r in plan.prefill:
-        qr = q[r.query_start: r.query_end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-        kr = k[r.key_start: r.key_end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, k, D]
-        vr = v[r.key_start: r.key_end].transpose(0, 1).unsqueeze(0)
-        orow = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=r.mask, is_causal=r.mask is None,
-                                              scale=scaling, enable_gqa=gqa)
+        if r.read_index is None:
+            kr, vr = k_new[r.query_start: r.query_end], v_new[r.query_start: r.query_end]
+        else:
+            kr, vr = allocator.update(empty_k, empty_k, layer, r.read_index, no_write)
+        orow = F.scaled_dot_product_attention(q[r.query_start: r.query_end].transpose(0, 1).unsqueeze(0),
+                                              kr.transpose(0, 1).unsqueeze(0), vr.transpose(0, 1).unsqueeze(0),
+                                              attn_mask=r.mask, is_causal=r.mask is None, scale=scaling,
+                                              enable_gqa=gqa)
         out[r.query_start: r.query_end] = orow[0].transpose(0, 1)
     return out.unsqueeze(0), None
 
@@ -144,23 +149,21 @@ def _build_plan(allocator, kwargs) -> Plan:
     cu_k = kwargs["cu_seq_lens_k"][allocator.layer_type].tolist()
     read_index = kwargs["read_index"][allocator.index]
     # padded sequences (CUDA-graph padding) have zero query tokens: drop them
-    lengths = [(cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]) for i in range(len(cu_q) - 1)
-               if cu_q[i + 1] > cu_q[i]]
-    starts_q = [cu_q[i] for i in range(len(cu_q) - 1) if cu_q[i + 1] > cu_q[i]]
-    starts_k = [cu_k[i] for i in range(len(cu_q) - 1) if cu_q[i + 1] > cu_q[i]]
+    live = [i for i in range(len(cu_q) - 1) if cu_q[i + 1] > cu_q[i]]
+    starts_q, starts_k = [cu_q[i] for i in live], [cu_k[i] for i in live]
+    lengths = [(cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]) for i in live]  # (query, key) tokens per row
     if allocator.layer_type != "full_attention":
         window = getattr(allocator, "sliding_window", None) or 0
         rows = [(sq, sq + lq, sk, sk + lk) for sq, sk, (lq, lk) in zip(starts_q, starts_k, lengths)]
-        return Plan(read_index=None, sliding_window=window, rows=rows)
+        return Plan(sliding_window=window, rows=rows)
     if read_index.numel() == 0:
         # no cache reads: the keys are the step's own tokens, laid out like the queries; every row is a fresh prefill
-        rows = [PrefillRow(sq, sq + lq, sq, sq + lq, None) for sq, (lq, _) in zip(starts_q, lengths)]
-        return Plan(read_index=None, prefill=rows)
+        return Plan(prefill=[PrefillRow(sq, sq + lq, None, None) for sq, (lq, _) in zip(starts_q, lengths)])
     device = read_index.device
-    decode_rows = [i for i, (lq, _) in enumerate(lengths) if lq == 1]
-    prefill_rows = [i for i, (lq, _) in enumerate(lengths) if lq > 1]
-    pieces, plan, offset = [], Plan(read_index=None), 0
-    for bucket in _buckets(sorted(decode_rows, key=lambda i: lengths[i][1]), lengths):
+    plan = Plan()
+    decode_rows = sorted((i for i, (lq, _) in enumerate(lengths) if lq == 1), key=lambda i: lengths[i][1])
+    bytes_per_token = 2 * allocator.num_key_value_heads * allocator.head_dim * allocator.cache_dtype.itemsize
+    for bucket in _buckets(decode_rows, [lengths[i][1] for i in range(len(lengths))], bytes_per_token):
         n, max_len = len(bucket), lengths[bucket[-1]][1]
         key_len = torch.tensor([lengths[i][1] for i in bucket], device=device)
         key_start = torch.tensor([starts_k[i] for i in bucket], device=device)
@@ -168,36 +171,28 @@ def _build_plan(allocator, kwargs) -> Plan:
         valid = pos[None, :] < key_len[:, None]  # [n, L]
         # padding reads repeat the row's last key (finite data), masked out below
         grid = key_start[:, None] + torch.minimum(pos[None, :], key_len[:, None] - 1)
-        pieces.append(read_index[grid.flatten()])
         query_pos = [starts_q[i] for i in bucket]
-        in_order = query_pos == list(range(n))
         plan.decode.append(DecodeGroup(
-            query_index=None if in_order else torch.tensor(query_pos, device=device),
-            key_start=offset, num_rows=n, max_len=max_len,
+            query_index=None if query_pos == list(range(n)) else torch.tensor(query_pos, device=device),
+            read_index=read_index[grid.flatten()], num_rows=n, max_len=max_len,
             mask=None if bool(valid.all()) else valid[:, None, None, :]))
-        offset += n * max_len
-    for i in prefill_rows:
-        (lq, lk), sk = lengths[i], starts_k[i]
-        pieces.append(read_index[sk: sk + lk])
-        mask = None if lq == lk else _bottom_right_causal(lq, lk, device)
-        plan.prefill.append(PrefillRow(starts_q[i], starts_q[i] + lq, offset, offset + lk, mask))
-        offset += lk
-    new_index = list(kwargs["read_index"])
-    new_index[allocator.index] = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-    plan.read_index = new_index
+    for i, (lq, lk) in enumerate(lengths):
+        if lq > 1:
+            mask = None if lq == lk else _bottom_right_causal(lq, lk, device)
+            plan.prefill.append(PrefillRow(starts_q[i], starts_q[i] + lq, read_index[starts_k[i]: starts_k[i] + lk],
+                                           mask))
     return plan
 
 
-def _buckets(rows: list[int], lengths: list[tuple[int, int]]) -> list[list[int]]:
-    """Split decode rows sorted by key length into buckets: a row joins the current bucket unless the extra padding
-    that costs (the bucket's rows grown to its length) exceeds the fixed cost of one more SDPA call."""
+def _buckets(rows: list[int], key_lengths: list[int], bytes_per_token: int) -> list[list[int]]:
+    """Split decode rows sorted by key length into buckets (see CALL_TOKENS and BUCKET_BYTES)."""
     buckets: list[list[int]] = []
     for i in rows:
-        length = lengths[i][1]
+        length = key_lengths[i]
         if buckets:
             bucket = buckets[-1]
-            extra_padding = len(bucket) * (length - lengths[bucket[-1]][1])
-            if extra_padding <= BUCKET_OVERHEAD_TOKENS:
+            padding = len(bucket) * (length - key_lengths[bucket[-1]])
+            if padding <= CALL_TOKENS and (len(bucket) + 1) * length * bytes_per_token <= BUCKET_BYTES:
                 bucket.append(i)
                 continue
         buckets.append([i])

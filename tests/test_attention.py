@@ -53,9 +53,9 @@ def random_model(arch: str = "llama", kv_heads: int = 2, **extra):
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
 
 
-@pytest.mark.parametrize("bucket_overhead", [0, attention.BUCKET_OVERHEAD_TOKENS])
-def test_chunked_prefill_decode_and_forks_match_a_plain_forward(tiny, plans, monkeypatch, bucket_overhead):
-    monkeypatch.setattr(attention, "BUCKET_OVERHEAD_TOKENS", bucket_overhead)
+@pytest.mark.parametrize("call_tokens", [0, attention.CALL_TOKENS])
+def test_chunked_prefill_decode_and_forks_match_a_plain_forward(tiny, plans, monkeypatch, call_tokens):
+    monkeypatch.setattr(attention, "CALL_TOKENS", call_tokens)
     model, _ = tiny
     params = [SamplingParams(n=3, temperature=1.0, max_new_tokens=14, ignore_eos=True),
               SamplingParams(n=1, temperature=0.0, max_new_tokens=9, ignore_eos=True),
@@ -68,11 +68,10 @@ def test_chunked_prefill_decode_and_forks_match_a_plain_forward(tiny, plans, mon
     assert any(r.mask is not None for p in plans for r in p.prefill), "no chunk continued a cached prefix"
     assert any(p.decode and p.prefill for p in plans), "decodes never ran next to a prefill chunk"
     assert any(g.query_index is not None for p in plans for g in p.decode), "decode rows always came in order"
-    if bucket_overhead == 0:  # every key length its own bucket: several SDPA calls per step, no padding
-        assert max(len(p.decode) for p in plans) > 1
+    assert max(len(p.decode) for p in plans) > 1
+    if call_tokens == 0:  # every key length its own bucket: no padding
         assert all(g.mask is None for p in plans for g in p.decode)
-    else:  # one bucket, rows of different lengths padded and masked
-        assert max(len(p.decode) for p in plans) == 1
+    else:  # rows of close lengths share a bucket, padded and masked
         assert any(g.mask is not None for p in plans for g in p.decode), "decode rows never needed padding"
 
 
@@ -87,7 +86,7 @@ def test_prefix_cache_hits_match_a_plain_forward(tiny, plans):
     assert_exact(model, batch, params)
     first = plans[0]  # the first step resumes each prompt after its cached pages: queries shorter than keys
     assert first.prefill and all(r.mask is not None for r in first.prefill)
-    assert all(r.key_end - r.key_start - (r.query_end - r.query_start) >= 16 for r in first.prefill)
+    assert all(r.read_index.numel() - (r.query_end - r.query_start) >= 16 for r in first.prefill)
 
 
 @pytest.mark.parametrize("kv_heads", [1, 4], ids=["gqa-4-to-1", "mha"])
