@@ -89,7 +89,7 @@ def build_tiny_model(path: str | os.PathLike, arch: str = "llama", size: str = "
     if size not in SIZES:
         raise ValueError(f"size={size!r} is invalid: must be one of {sorted(SIZES)}. Fix: pick one of those.")
     path = Path(path)
-    spec = dict(arch=arch, size=size, seed=seed, tie=tie_word_embeddings, max_pos=max_position_embeddings,
+    spec = dict(format=2, arch=arch, size=size, seed=seed, tie=tie_word_embeddings, max_pos=max_position_embeddings,
                 init_std=init_std)
     marker = path / "rollout_tiny.json"
     if marker.exists() and json.loads(marker.read_text()) == spec:
