@@ -11,6 +11,9 @@ step. Here, registered under the name `rollout_paged` through transformers' `Att
 - decode rows (one query token each) are bucketed by key length; each bucket runs one SDPA with a key-padding mask
   (none when its rows have equal lengths, as the lock-step samples of one prompt do), query heads grouped onto their
   KV heads, so no `repeat_kv`;
+- decode rows whose first keys are the same cache rows (the n forked samples of a prompt share its full pages; a
+  prefix-cache hit shares them across requests) attend to that shared prefix once, in one SDPA with all their queries,
+  and to their own keys in their bucket; the two halves are merged by log-sum-exp (CPU: the flash kernel returns it);
 - each prefill or prefill-chunk row runs its own SDPA: causal when it starts at position 0, bottom-right causal
   (a [q, k] mask) when it continues a chunk or a prefix-cache hit; GQA through SDPA's `enable_gqa`.
 - Sliding-window layer groups read through the engine's own index and run one SDPA per row with a window mask.
@@ -46,14 +49,36 @@ BUCKET_BYTES = 4 * 2**20
 
 
 @dataclass
-class DecodeGroup:
-    """Decode rows (one query token each) run as one SDPA over a [n, max_len] key grid."""
+class Bucket:
+    """Decode rows start:end (of the step's decode order) run as one SDPA over a [n, max_len] key grid."""
 
-    query_index: torch.Tensor | None  # [n] positions of the rows' query tokens; None: the first n tokens, in order
+    start: int
+    end: int
     read_index: torch.Tensor  # [n * max_len] physical cache rows of the grid (padding repeats a row's last key)
-    num_rows: int
     max_len: int
-    mask: torch.Tensor | None  # [n, 1, 1, max_len] bool, True = attend; None when every row has max_len keys
+    mask: torch.Tensor | None  # [n, 1, 1, max_len] additive (0 / -inf); None when every row has max_len keys
+
+
+@dataclass
+class SharedPrefix:
+    """Decode rows whose first keys are the very same cache rows (forked samples of one prompt, prefix-cache hits):
+    those keys are read and attended once for all of them, and merged with each row's own keys by log-sum-exp."""
+
+    rows: torch.Tensor  # [n] indices into the step's decode order
+    read_index: torch.Tensor  # [P] physical cache rows of the shared keys
+
+
+@dataclass
+class Decode:
+    """Every decode row (one query token) of a step, ordered so that each bucket is a contiguous range."""
+
+    query_index: torch.Tensor | None  # [R] positions of the rows' query tokens; None: the first R tokens, in order
+    buckets: list[Bucket] = field(default_factory=list)
+    prefixes: list[SharedPrefix] = field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        return self.buckets[-1].end
 
 
 @dataclass
@@ -70,7 +95,7 @@ class PrefillRow:
 class Plan:
     """How one forward step's attention is laid out for one layer group (built once, used by every layer)."""
 
-    decode: list[DecodeGroup] = field(default_factory=list)
+    decode: Decode | None = None
     prefill: list[PrefillRow] = field(default_factory=list)
     sliding_window: int | None = None
     rows: list[tuple[int, int, int, int]] = field(default_factory=list)  # sliding layers: (q0, q1, k0, k1) per row
@@ -101,20 +126,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     no_read = kwargs["write_index"][allocator.index][:0]
     allocator.update(k_new, v_new, layer, no_read, kwargs["write_index"][allocator.index])
     empty_k, no_write = k_new[:0], no_read
-    num_heads, num_kv_heads, head_dim = q.shape[1], k_new.shape[1], q.shape[2]
-    for g in plan.decode:  # one SDPA per bucket; query heads grouped onto their KV head: [n, Hkv, H / Hkv, D]
-        kg, vg = allocator.update(empty_k, empty_k, layer, g.read_index, no_write)  # [n * L, Hkv, D] each
-        kg = kg.view(g.num_rows, g.max_len, num_kv_heads, -1).transpose(1, 2)  # [n, Hkv, L, D]
-        vg = vg.view(g.num_rows, g.max_len, num_kv_heads, -1).transpose(1, 2)
-        qg = q[: g.num_rows] if g.query_index is None else q.index_select(0, g.query_index)
-        qg = qg.reshape(g.num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scaling)
-        og = og.reshape(g.num_rows, num_heads, -1)
-        if g.query_index is None:
-            out[: g.num_rows] = og
-        else:
-            out.index_copy_(0, g.query_index, og)
-    gqa = num_heads != num_kv_heads
+    if plan.decode is not None:
+        _decode(plan.decode, allocator, layer, q, out, scaling)
+    gqa = q.shape[1] != k_new.shape[1]
     for r in plan.prefill:
         if r.read_index is None:
             kr, vr = k_new[r.query_start: r.query_end], v_new[r.query_start: r.query_end]
@@ -126,6 +140,52 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                                               enable_gqa=gqa)
         out[r.query_start: r.query_end] = orow[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def _decode(plan: Decode, allocator, layer: int, q: torch.Tensor, out: torch.Tensor, scaling: float | None) -> None:
+    """All decode rows: one SDPA per bucket, query heads grouped onto their KV head ([n, Hkv, H / Hkv, D], no
+    repeat_kv); then, per shared prefix, one SDPA of all its rows' queries over the shared keys, merged in."""
+    num_rows, num_heads, head_dim = plan.num_rows, q.shape[1], q.shape[2]
+    num_kv_heads = allocator.num_key_value_heads
+    qd = q[:num_rows] if plan.query_index is None else q.index_select(0, plan.query_index)
+    qd = qd.reshape(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [R, Hkv, rep, D]
+    od = qd.new_empty(qd.shape[:-1] + (out.shape[-1],))
+    lse = qd.new_empty(qd.shape[:-1], dtype=torch.float32) if plan.prefixes else None  # [R, Hkv, rep]
+    empty, no_index = qd.new_empty(0, num_kv_heads, head_dim), plan.buckets[0].read_index[:0]
+    for b in plan.buckets:
+        k, v = allocator.update(empty, empty, layer, b.read_index, no_index)  # [n * L, Hkv, D], read only
+        k = k.view(b.end - b.start, b.max_len, num_kv_heads, -1).transpose(1, 2)  # [n, Hkv, L, D]
+        v = v.view(b.end - b.start, b.max_len, num_kv_heads, -1).transpose(1, 2)
+        if lse is None:
+            od[b.start: b.end] = F.scaled_dot_product_attention(qd[b.start: b.end], k, v, attn_mask=b.mask,
+                                                                scale=scaling)
+        else:
+            od[b.start: b.end], lse[b.start: b.end] = _attention_with_lse(qd[b.start: b.end], k, v, b.mask, scaling)
+    for p in plan.prefixes:
+        n = p.rows.numel()
+        k, v = allocator.update(empty, empty, layer, p.read_index, no_index)  # [P, Hkv, D]
+        qp = qd.index_select(0, p.rows).transpose(0, 1).reshape(1, num_kv_heads, -1, head_dim)  # [1, Hkv, n*rep, D]
+        op, lp = _attention_with_lse(qp, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), None,
+                                     scaling)
+        op = op.view(num_kv_heads, n, -1, op.shape[-1]).transpose(0, 1)  # [n, Hkv, rep, Dv]
+        lp = lp.view(num_kv_heads, n, -1).transpose(0, 1)  # [n, Hkv, rep]
+        ls, os_ = lse.index_select(0, p.rows), od.index_select(0, p.rows)
+        top = torch.maximum(ls, lp)
+        ws, wp = (ls - top).exp(), (lp - top).exp()
+        merged = (os_.float() * ws[..., None] + op.float() * wp[..., None]) / (ws + wp)[..., None]
+        od.index_copy_(0, p.rows, merged.to(od.dtype))
+    od = od.view(num_rows, num_heads, -1)
+    if plan.query_index is None:
+        out[:num_rows] = od
+    else:
+        out.index_copy_(0, plan.query_index, od)
+
+
+def _attention_with_lse(q, k, v, mask, scaling):
+    """SDPA that also returns the log-sum-exp of each query's scores (the CPU flash kernel computes it anyway)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
+                                                                          scale=scaling)
+    return out, lse.float()
 
 
 # ---------------------------------------------------------------------------------------------------- step layout
@@ -161,21 +221,9 @@ def _build_plan(allocator, kwargs) -> Plan:
         return Plan(prefill=[PrefillRow(sq, sq + lq, None, None) for sq, (lq, _) in zip(starts_q, lengths)])
     device = read_index.device
     plan = Plan()
-    decode_rows = sorted((i for i, (lq, _) in enumerate(lengths) if lq == 1), key=lambda i: lengths[i][1])
-    bytes_per_token = 2 * allocator.num_key_value_heads * allocator.head_dim * allocator.cache_dtype.itemsize
-    for bucket in _buckets(decode_rows, [lengths[i][1] for i in range(len(lengths))], bytes_per_token):
-        n, max_len = len(bucket), lengths[bucket[-1]][1]
-        key_len = torch.tensor([lengths[i][1] for i in bucket], device=device)
-        key_start = torch.tensor([starts_k[i] for i in bucket], device=device)
-        pos = torch.arange(max_len, device=device)
-        valid = pos[None, :] < key_len[:, None]  # [n, L]
-        # padding reads repeat the row's last key (finite data), masked out below
-        grid = key_start[:, None] + torch.minimum(pos[None, :], key_len[:, None] - 1)
-        query_pos = [starts_q[i] for i in bucket]
-        plan.decode.append(DecodeGroup(
-            query_index=None if query_pos == list(range(n)) else torch.tensor(query_pos, device=device),
-            read_index=read_index[grid.flatten()], num_rows=n, max_len=max_len,
-            mask=None if bool(valid.all()) else valid[:, None, None, :]))
+    decode_rows = [i for i, (lq, _) in enumerate(lengths) if lq == 1]
+    if decode_rows:
+        plan.decode = _plan_decode(decode_rows, starts_q, starts_k, [lk for _, lk in lengths], read_index, allocator)
     for i, (lq, lk) in enumerate(lengths):
         if lq > 1:
             mask = None if lq == lk else _bottom_right_causal(lq, lk, device)
@@ -184,7 +232,56 @@ def _build_plan(allocator, kwargs) -> Plan:
     return plan
 
 
-def _buckets(rows: list[int], key_lengths: list[int], bytes_per_token: int) -> list[list[int]]:
+def _plan_decode(rows: list[int], starts_q: list[int], starts_k: list[int], key_lens: list[int],
+                 read_index: torch.Tensor, allocator) -> Decode:
+    """Shared prefixes first (CPU only: merging needs the log-sum-exp that the CPU flash kernel returns), then
+    buckets over each row's own keys, sorted by their number."""
+    device = read_index.device
+    offset = dict.fromkeys(rows, 0)  # keys of a row before `offset` are read through its shared prefix
+    groups = []
+    if device.type == "cpu" and len(rows) > 1:
+        by_first: dict[int, list[int]] = {}
+        first = read_index[torch.tensor([starts_k[i] for i in rows], device=device)].tolist()
+        for i, f in zip(rows, first):
+            by_first.setdefault(f, []).append(i)
+        for members in by_first.values():
+            span = min(key_lens[i] for i in members) - 1  # every row keeps at least its newest key
+            if len(members) < 2 or span * (len(members) - 1) < CALL_TOKENS:
+                continue
+            seg = torch.stack([read_index[starts_k[i]: starts_k[i] + span] for i in members])  # [n, span]
+            common = int((seg == seg[0]).all(0).int().cumprod(0).sum())
+            if common * (len(members) - 1) >= CALL_TOKENS:  # the reads saved pay for one more call
+                groups.append((members, common))
+                offset.update(dict.fromkeys(members, common))
+    own = {i: key_lens[i] - offset[i] for i in rows}
+    order = sorted(rows, key=lambda i: own[i])
+    query_pos = [starts_q[i] for i in order]
+    plan = Decode(query_index=None if query_pos == list(range(len(order))) else torch.tensor(query_pos, device=device))
+    bytes_per_token = 2 * allocator.num_key_value_heads * allocator.head_dim * allocator.cache_dtype.itemsize
+    start = 0
+    for bucket in _buckets(order, own, bytes_per_token):
+        n, max_len = len(bucket), own[bucket[-1]]
+        key_len = torch.tensor([own[i] for i in bucket], device=device)
+        key_start = torch.tensor([starts_k[i] + offset[i] for i in bucket], device=device)
+        pos = torch.arange(max_len, device=device)
+        valid = pos[None, :] < key_len[:, None]  # [n, L]
+        # padding reads repeat the row's last key (finite data), masked out
+        grid = key_start[:, None] + torch.minimum(pos[None, :], key_len[:, None] - 1)
+        mask = None
+        if not bool(valid.all()):
+            mask = torch.zeros(n, 1, 1, max_len, dtype=allocator.cache_dtype, device=device)
+            mask.masked_fill_(~valid[:, None, None, :], float("-inf"))
+        plan.buckets.append(Bucket(start, start + n, read_index[grid.flatten()], max_len, mask))
+        start += n
+    position = {i: r for r, i in enumerate(order)}
+    for members, common in groups:
+        first_key = starts_k[members[0]]
+        plan.prefixes.append(SharedPrefix(torch.tensor([position[i] for i in members], device=device),
+                                          read_index[first_key: first_key + common]))
+    return plan
+
+
+def _buckets(rows: list[int], key_lengths: dict[int, int], bytes_per_token: int) -> list[list[int]]:
     """Split decode rows sorted by key length into buckets (see CALL_TOKENS and BUCKET_BYTES)."""
     buckets: list[list[int]] = []
     for i in rows:

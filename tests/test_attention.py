@@ -67,12 +67,15 @@ def test_chunked_prefill_decode_and_forks_match_a_plain_forward(tiny, plans, mon
     assert_exact(model, batch, params)
     assert any(r.mask is not None for p in plans for r in p.prefill), "no chunk continued a cached prefix"
     assert any(p.decode and p.prefill for p in plans), "decodes never ran next to a prefill chunk"
-    assert any(g.query_index is not None for p in plans for g in p.decode), "decode rows always came in order"
-    assert max(len(p.decode) for p in plans) > 1
-    if call_tokens == 0:  # every key length its own bucket: no padding
-        assert all(g.mask is None for p in plans for g in p.decode)
+    decodes = [p.decode for p in plans if p.decode is not None]
+    assert any(d.query_index is not None for d in decodes), "decode rows always came in order"
+    assert any(len(d.buckets) > 1 for d in decodes)
+    assert any(d.prefixes for d in decodes), "forked samples never shared their prompt's keys"
+    buckets = [b for d in decodes for b in d.buckets]
+    if call_tokens == 0:  # every own-key length its own bucket: no padding
+        assert all(b.mask is None for b in buckets)
     else:  # rows of close lengths share a bucket, padded and masked
-        assert any(g.mask is not None for p in plans for g in p.decode), "decode rows never needed padding"
+        assert any(b.mask is not None for b in buckets), "decode rows never needed padding"
 
 
 def test_prefix_cache_hits_match_a_plain_forward(tiny, plans):
@@ -90,12 +93,13 @@ def test_prefix_cache_hits_match_a_plain_forward(tiny, plans):
 
 
 @pytest.mark.parametrize("kv_heads", [1, 4], ids=["gqa-4-to-1", "mha"])
-def test_grouped_and_plain_multi_head_attention_match_a_plain_forward(kv_heads):
+def test_grouped_and_plain_multi_head_attention_match_a_plain_forward(kv_heads, plans):
     model = random_model(kv_heads=kv_heads)
     params = [SamplingParams(n=3, temperature=1.0, max_new_tokens=10, ignore_eos=True)] * 3
     with RolloutWorker(model, WorkerConfig(max_batch_tokens=32, attn_implementation=NAME)) as worker:
-        batch = worker.generate(prompts_of([9, 30, 17], vocab=512), params)
+        batch = worker.generate(prompts_of([9, 40, 70], vocab=512), params)
     assert_exact(model, batch, params)
+    assert any(p.decode is not None and p.decode.prefixes for p in plans)
 
 
 def test_sliding_window_layers_match_a_plain_forward(plans):
