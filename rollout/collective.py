@@ -1,0 +1,109 @@
+"""Weight broadcast over a torch.distributed group: the trainer is rank 0, fleet actors are ranks 1..N.
+
+The group is stateless: its own TCPStore and ProcessGroup object, never the default group, so a trainer that
+already runs DDP/FSDP keeps its own `init_process_group` untouched. Tensors travel in buckets: each bucket is one
+flat tensor of one dtype, at most `bucket_mb` (a lone bigger tensor gets a bucket of its own), so a 7B model is a
+few hundred broadcasts, not thousands. Receivers stage every bucket before anything is applied, so the update stays
+atomic (cost: one extra copy of the weights on each receiver while it lands).
+
+Backends: "nccl" (GPU tensors; each rank on its own GPU) or "gloo" (CPU tensors; how it is tested here).
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    shape: tuple[int, ...]
+    offset: int  # elements into the bucket
+    numel: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    dtype: torch.dtype
+    numel: int
+    entries: tuple[Entry, ...]
+
+
+def layout(items: list[tuple[str, torch.Tensor]], bucket_mb: float = 256) -> list[Bucket]:
+    """Group tensors by dtype, in order, into buckets of at most bucket_mb."""
+    limit = int(bucket_mb * 2**20)
+    buckets: list[Bucket] = []
+    filling: dict[torch.dtype, list[Entry]] = {}
+    for name, tensor in items:
+        entries = filling.setdefault(tensor.dtype, [])
+        used = sum(e.numel for e in entries)
+        if entries and (used + tensor.numel()) * tensor.element_size() > limit:
+            buckets.append(Bucket(tensor.dtype, used, tuple(entries)))
+            entries.clear()
+            used = 0
+        entries.append(Entry(name, tuple(tensor.shape), used, tensor.numel()))
+    for dtype, entries in filling.items():
+        if entries:
+            buckets.append(Bucket(dtype, sum(e.numel for e in entries), tuple(entries)))
+    return buckets
+
+
+def pack(bucket: Bucket, tensors: dict[str, torch.Tensor], device: torch.device | str) -> torch.Tensor:
+    """flat: [bucket.numel] on `device`."""
+    return torch.cat([tensors[e.name].detach().to(device=device, dtype=bucket.dtype).reshape(-1)
+                      for e in bucket.entries])
+
+
+def unpack(bucket: Bucket, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Views into flat, one per entry, in their shapes."""
+    return {e.name: flat[e.offset: e.offset + e.numel].view(e.shape) for e in bucket.entries}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+class WeightGroup:
+    """One rank of a broadcast group. Rank 0 hosts the store; construction blocks until every rank has joined."""
+
+    def __init__(self, backend: str, host: str, port: int, rank: int, world_size: int, timeout_s: float = 300) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is invalid: must be one of {BACKENDS}. Fix: use 'nccl' for GPU "
+                             "actors, 'gloo' for CPU actors.")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.backend, self.rank, self.world_size = backend, rank, world_size
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout)
+        if backend == "gloo":
+            self.group = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
+        else:
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.group = dist.ProcessGroupNCCL(self.store, rank, world_size, options)
+
+    def send(self, buckets: list[Bucket], tensors: dict[str, torch.Tensor]) -> None:
+        """Rank 0: broadcast every bucket."""
+        for bucket in buckets:
+            self.group.broadcast(pack(bucket, tensors, self.device), 0).wait()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def receive(self, buckets: list[Bucket]) -> dict[str, torch.Tensor]:
+        """Ranks 1..N: every tensor of every bucket, staged before the caller applies any."""
+        out: dict[str, torch.Tensor] = {}
+        for bucket in buckets:
+            flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=self.device)
+            self.group.broadcast(flat, 0).wait()
+            out.update(unpack(bucket, flat))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return out

@@ -1,0 +1,320 @@
+"""RolloutFleet: the pure pieces without Ray (dispatch, buckets, the actor class in-process), then one module-scoped
+fleet of 2 CPU actors on a real local Ray: order and exactness against a plain forward, caller-side rejection,
+object-store and gloo broadcasts, an actor killed mid-generate, a hung actor and its timeout."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import reference_logprobs
+from rollout import RolloutWorker, SamplingParams, WorkerConfig
+from rollout.actor import FleetActor, from_shared, model_source, to_shared
+from rollout.collective import WeightGroup, free_port, layout, pack, unpack
+from rollout.dispatch import Dispatcher
+from rollout.tiny import load_tiny_model
+from rollout.weights import fingerprint
+
+ray = pytest.importorskip("ray")
+
+CONFIG = WorkerConfig(page_size=16, num_blocks=256)
+TOL = 1e-4
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    return torch.randint(10, 500, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def perturbed(model, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {name: t + 0.3 * torch.randn(t.shape, generator=gen) * t.std() for name, t in model.state_dict().items()}
+
+
+def assert_exact(model, batch, prompts, params) -> None:
+    """Rows prompt-major, each sample once, prompt ids echoed, logprobs equal to a plain forward."""
+    expected = [(i, j) for i, p in enumerate(params) for j in range(p.n)]
+    assert list(zip(batch.prompt_index.tolist(), batch.sample_index.tolist())) == expected
+    for r, completion in enumerate(batch.completion_token_lists()):
+        i = int(batch.prompt_index[r])
+        assert batch.prompt_ids[r] == prompts[i]
+        p = params[i]
+        full, truncated = reference_logprobs(model, prompts[i], completion, p.temperature, p.top_k, p.top_p)
+        assert torch.allclose(batch.logprobs[r, : len(completion)], full, atol=TOL)
+        assert torch.allclose(batch.sampling_logprobs[r, : len(completion)], truncated, atol=TOL)
+
+
+# ---------------------------------------------------------------------- dispatch (no Ray)
+def test_dispatch_deals_chunks_by_token_load_and_free_actors_pull_the_heaviest():
+    plan = Dispatcher([90, 10, 10, 10, 10, 10, 40], slots=[0, 1], chunks_per_worker=2)
+    assert [(c.jobs, c.cost) for c in plan.pending] == [((0,), 90), ((6,), 40), ((1, 3, 5), 30), ((2, 4), 20)]
+    assert [(slot, c.cost) for slot, c in plan.assign([0, 1])] == [(0, 90), (1, 40)]
+    assert plan.assign([0, 1]) == []  # one chunk in flight per actor: the rest wait for whoever frees up first
+    plan.complete(1, plan.running[1][0])
+    assert [(slot, c.cost) for slot, c in plan.assign([0, 1])] == [(1, 30)]  # the faster actor takes more
+    assert plan.load(0) == 90 and plan.load(1) == 30
+
+
+def test_dispatch_with_queued_chunks_prefers_the_least_loaded_actor_not_the_next_in_turn():
+    plan = Dispatcher([90, 10, 10, 10, 10, 10, 40], slots=[0, 1], chunks_per_worker=2, max_in_flight=2)
+    assert [(slot, c.cost) for slot, c in plan.assign([0, 1])] == [(0, 90), (1, 40), (1, 30), (0, 20)]
+    assert plan.load(0) == 110 and plan.load(1) == 70  # round-robin: actor 0 would hold 120, actor 1 60
+
+
+def test_dispatch_keeps_prompts_whole_and_hands_out_every_job_once():
+    costs = [3 + 7 * (i % 5) for i in range(40)]
+    plan = Dispatcher(costs, slots=range(3), chunks_per_worker=4)
+    seen = []
+    while not plan.finished:
+        for slot, chunk in plan.assign(range(3)):
+            seen.extend(chunk.jobs)
+            plan.complete(slot, chunk)
+    assert sorted(seen) == list(range(40))
+
+
+def test_dispatch_requeues_a_dead_actors_jobs_and_gives_up_on_a_poison_prompt():
+    plan = Dispatcher([5, 5, 5, 5], slots=[0, 1], max_attempts=2)
+    plan.assign([0, 1])
+    lost = plan.outstanding()[1]
+    assert plan.fail(1) == [] and [j for c in plan.pending for j in c.jobs] == lost
+    plan.complete(0, plan.running[0][0])
+    assert [c.jobs for _, c in plan.assign([0])] == [tuple(lost)]  # only the survivor takes work
+    assert plan.fail(0) == lost  # the jobs of the second death are given up (2 attempts)
+
+
+# ---------------------------------------------------------------------- buckets and the gloo group (no Ray)
+def _mixed_tensors() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {"a": torch.randn(3, 5, generator=gen), "b": torch.randn(7, generator=gen).to(torch.bfloat16),
+            "c": torch.arange(6).view(2, 3), "d": torch.randn(40, 40, generator=gen),
+            "e": torch.randn(2, generator=gen)}
+
+
+def test_buckets_round_trip_mixed_dtypes_and_respect_the_size_limit():
+    tensors = _mixed_tensors()
+    buckets = layout(list(tensors.items()), bucket_mb=1000 / 2**20)  # ~1000 bytes: forces several buckets
+    assert len(buckets) >= 3 and all(len({tensors[e.name].dtype for e in b.entries}) == 1 for b in buckets)
+    out = {}
+    for bucket in buckets:
+        out.update(unpack(bucket, pack(bucket, tensors, "cpu")))
+    assert set(out) == set(tensors) and all(torch.equal(out[k], v) for k, v in tensors.items())
+
+
+def test_shared_form_round_trips_every_dtype_without_copying():
+    tensors = _mixed_tensors() | {"f8": torch.randn(4).to(torch.float8_e4m3fn), "m": torch.tensor([True, False])}
+    shared = to_shared(tensors.items())
+    back = from_shared(shared)
+    assert all(back[k].dtype == v.dtype and torch.equal(back[k].view(torch.uint8), v.view(torch.uint8))
+               for k, v in tensors.items())
+    assert back["a"].data_ptr() == tensors["a"].data_ptr()  # views all the way: Ray then copies once, into plasma
+
+
+def test_gloo_group_broadcasts_every_bucket_to_every_rank():
+    tensors, port, got = _mixed_tensors(), free_port(), {}
+    buckets = layout(list(tensors.items()), bucket_mb=1000 / 2**20)
+
+    def rank(r: int) -> None:
+        group = WeightGroup("gloo", "127.0.0.1", port, r, 3, timeout_s=60)
+        got[r] = group.send(buckets, tensors) if r == 0 else group.receive(buckets)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    assert all(torch.equal(got[r][k], v) for r in (1, 2) for k, v in tensors.items())
+
+
+# ---------------------------------------------------------------------- the actor class, in-process
+def test_actor_rebuilds_an_in_memory_model_with_identical_weights(tiny):
+    model, tok = tiny
+    for given in (model, (model.config, model.state_dict())):
+        source, _, _ = model_source(given, tok)
+        actor = FleetActor(source, CONFIG, tok)
+        try:
+            assert actor.state() == (0, fingerprint(model))
+            rows = actor.generate([[5, 6, 7], [8, 9]], [SamplingParams(n=2, max_new_tokens=4)] * 2)
+            assert [[(r.prompt_index, r.sample_index) for r in g] for g in rows] == [[(0, 0), (0, 1)], [(1, 0), (1, 1)]]
+        finally:
+            actor.close()
+
+
+def test_bad_fleet_arguments_fail_before_ray_starts(tiny_path):
+    from rollout import RolloutFleet
+    from rollout.resources import FleetResources
+
+    for kwargs, field in [({"num_workers": 0}, "num_workers"), ({"chunks_per_worker": 0}, "chunks_per_worker"),
+                          ({"resources": {"placement": "pack"}}, "placement"), ({"resources": {"num_gpus": -1}},
+                                                                                 "num_gpus")]:
+        with pytest.raises(ValueError, match=field):
+            RolloutFleet(tiny_path, **kwargs)
+    with pytest.raises(ValueError, match="not a model object"):
+        RolloutFleet("/nonexistent/checkpoint")
+    assert not ray.is_initialized()
+    assert FleetResources(num_gpus=1).bundle(16, 4) == {"CPU": 1, "GPU": 1}
+    assert FleetResources().cpus(2, 2) == 0.5 and FleetResources().strategy() is None
+
+
+# ---------------------------------------------------------------------- a real fleet
+@pytest.fixture(scope="module")
+def fleet(tiny_path):
+    from rollout import RolloutFleet
+
+    fleet = RolloutFleet(tiny_path, num_workers=2, config=CONFIG, resources={"placement": "SPREAD"})
+    yield fleet
+    fleet.close()
+    assert not ray.is_initialized()
+
+
+@pytest.fixture(scope="module")
+def local(tiny_path):
+    """The caller's copy of the weights the fleet should hold."""
+    return load_tiny_model(tiny_path)[0]
+
+
+def _stats(fleet) -> list[dict]:
+    return ray.get([a.info.options(concurrency_group="control").remote() for a in fleet.actors])
+
+
+def test_rows_come_back_in_input_order_and_equal_a_plain_forward(fleet, local):
+    prompts = [prompt_of(n, seed) for seed, n in enumerate([3, 17, 5, 40, 9, 1, 28, 12])]
+    params = [SamplingParams(n=1 + i % 3, temperature=[1.0, 0.0, 0.7][i % 3], top_k=[0, 0, 20][i % 3],
+                             max_new_tokens=8 + 4 * i) for i in range(len(prompts))]
+    before = [s["num_rows"] for s in _stats(fleet)]
+    batch = fleet.generate(prompts, params)
+    assert_exact(local, batch, prompts, params)
+    assert batch.policy_version.tolist() == [0] * len(batch)
+    assert all(s["num_rows"] > b for s, b in zip(_stats(fleet), before))  # both actors worked
+    assert fleet.generate([]).prompt_ids == []
+    text = fleet.generate(["the cat is", [{"role": "user", "content": "two plus two"}]],
+                          SamplingParams(temperature=0.0, max_new_tokens=3), chat_template=True)
+    tok = fleet.tokenizer
+    assert text.prompt_ids[0] == tok.apply_chat_template([{"role": "user", "content": "the cat is"}],
+                                                         add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert text.completion_texts() and len(text) == 2  # the caller's tokenizer decodes the batch
+
+
+def test_bad_requests_fail_like_the_worker_before_any_actor_is_touched(fleet, tiny_path):
+    calls = [s["num_calls"] for s in _stats(fleet)]
+    bad = [([[1, 2, 3], [4, 600]], None), ([[]], None), ([[1, 2]], SamplingParams(max_new_tokens=2000)),
+           ([[1], [2]], [SamplingParams()]), ("not a list", None)]
+    with RolloutWorker(tiny_path, CONFIG) as worker:
+        for prompts, sampling in bad:
+            with pytest.raises(ValueError) as expected:
+                worker.generate(prompts, sampling)
+            with pytest.raises(ValueError) as got:
+                fleet.generate(prompts, sampling)
+            assert str(got.value) == str(expected.value)
+    assert [s["num_calls"] for s in _stats(fleet)] == calls
+
+
+def test_a_bad_update_is_rejected_and_changes_nothing(fleet, local):
+    version, print_before = fleet.policy_version, fleet.weights_fingerprint()
+    good = perturbed(local, seed=1)
+    name = "model.layers.0.mlp.up_proj.weight"
+    nan = dict(good, **{name: good[name].clone().index_fill_(0, torch.tensor([0]), float("nan"))})
+    cases = [(dict(good, **{"model.nope.weight": good[name]}), {}), (dict(good, **{name: good[name][:-1]}), {}),
+             (nan, {}), ({name: good[name]}, {"full": True}), (good, {"version": -1})]
+    with RolloutWorker(copy.deepcopy(local), CONFIG) as worker:
+        for weights, kwargs in cases:
+            with pytest.raises(ValueError) as expected:
+                worker.update_weights(weights, **kwargs)
+            with pytest.raises(ValueError) as got:
+                fleet.update_weights(weights, **kwargs)
+            assert str(got.value) == str(expected.value)
+    assert fleet.policy_version == version and fleet.weights_fingerprint() == print_before
+    assert {s["version"] for s in _stats(fleet)} == {version}
+
+
+def test_broadcast_then_generate_uses_only_the_new_weights(fleet, local):
+    weights = perturbed(local, seed=2)
+    local.load_state_dict(weights)
+    assert fleet.update_weights(weights, version=7) == 7
+    assert fleet.policy_version == 7 and fleet.weights_fingerprint() == fingerprint(local)
+    prompts = [prompt_of(6 + i, 20 + i) for i in range(6)]
+    params = [SamplingParams(n=2, max_new_tokens=12)] * len(prompts)
+    batch = fleet.generate(prompts, params)
+    assert batch.policy_version.tolist() == [7] * len(batch)
+    assert_exact(local, batch, prompts, params)
+
+
+def test_score_splits_pairs_across_actors_in_input_order(fleet, local):
+    pytest.importorskip("rollout.scoring")
+    prompts = [prompt_of(4 + 3 * i, 40 + i) for i in range(6)]
+    completions = [prompt_of(2 + i, 50 + i) for i in range(6)]
+    scores = fleet.score(prompts, completions, temperature=0.8)
+    for prompt, completion, got in zip(prompts, completions, scores):
+        assert torch.allclose(got, reference_logprobs(local, prompt, completion, 0.8)[0], atol=TOL)
+
+
+def test_an_actor_killed_mid_generate_loses_no_row_and_comes_back_on_current_weights(fleet, local):
+    victim, killed = fleet.actors[0], threading.Event()
+
+    def kill_when_busy() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not killed.is_set():
+            if ray.get(victim.info.options(concurrency_group="control").remote())["busy"]:
+                ray.kill(victim)
+                killed.set()
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=kill_when_busy)
+    killer.start()
+    prompts = [prompt_of(8 + i, 60 + i) for i in range(12)]
+    params = [SamplingParams(n=2, max_new_tokens=40, ignore_eos=True)] * len(prompts)
+    batch = fleet.generate(prompts, params)
+    killed.set()
+    killer.join()
+    assert fleet.actors[0] is not victim  # it died holding work, and was replaced
+    assert batch.policy_version.tolist() == [7] * len(batch)
+    assert_exact(local, batch, prompts, params)
+    # the replacement replayed the retained update: it holds version 7 and the same weights before taking work
+    assert fleet.weights_fingerprint() == fingerprint(local) and {s["version"] for s in _stats(fleet)} == {7}
+    batch = fleet.generate(prompts[:6], params[:6])
+    assert_exact(local, batch, prompts[:6], params[:6])
+    assert _stats(fleet)[0]["num_rows"] > 0  # the replacement took work
+
+
+def test_gloo_group_broadcast_sends_nothing_through_the_object_store(fleet, local, monkeypatch):
+    fleet.init_weight_group("gloo")
+    monkeypatch.setattr(ray, "put", lambda *a, **k: pytest.fail("ray.put during a group update"))
+    weights = perturbed(local, seed=3)
+    local.load_state_dict(weights)
+    assert fleet.update_weights(weights) == 8
+    monkeypatch.undo()
+    assert fleet.weights_fingerprint() == fingerprint(local)
+    prompts = [prompt_of(5, 30), prompt_of(11, 31)]
+    params = [SamplingParams(n=3, max_new_tokens=10)] * 2
+    batch = fleet.generate(prompts, params)
+    assert batch.policy_version.tolist() == [8] * 6
+    assert_exact(local, batch, prompts, params)
+
+
+def test_a_hung_actor_times_out_naming_it_and_its_replacement_rejoins_the_group(fleet, local, monkeypatch):
+    stalled = fleet.actors[1]
+    stalled.__ray_call__.remote(lambda self: time.sleep(300))  # occupies its generate queue
+    prompts = [prompt_of(5, 70 + i) for i in range(6)]
+    params = [SamplingParams(n=2, max_new_tokens=6)] * len(prompts)
+    with pytest.raises(TimeoutError, match=r"timed out after 3s with \d+/12 rows done; actor 1 \(pid \d+") as exc:
+        fleet.generate(prompts, params, timeout=3)
+    assert "actor 0" not in str(exc.value) and fleet.actors[1] is not stalled
+    # the last update came over the group (not retained): the replacement copies a live peer's weights
+    assert fleet.weights_fingerprint() == fingerprint(local) and {s["version"] for s in _stats(fleet)} == {8}
+    monkeypatch.setattr(ray, "put", lambda *a, **k: pytest.fail("ray.put during a group update"))
+    weights = perturbed(local, seed=4)  # the group lost a member: this update rebuilds it first
+    local.load_state_dict(weights)
+    assert fleet.update_weights(weights, version=9) == 9
+    monkeypatch.undo()
+    before = [s["num_rows"] for s in _stats(fleet)]
+    batch = fleet.generate(prompts, params)
+    assert batch.policy_version.tolist() == [9] * len(batch)
+    assert_exact(local, batch, prompts, params)
+    assert all(s["num_rows"] > b for s, b in zip(_stats(fleet), before))
+
+
+def test_close_stops_every_actor_and_the_ray_it_started(fleet):
+    actors = fleet.actors
+    fleet.close()
+    assert not ray.is_initialized()
+    assert fleet.actors == [] and len(actors) == 2
