@@ -5,7 +5,7 @@ from .config import WorkerConfig
 from .sampling import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["RolloutBatch", "RolloutFleet", "RolloutWorker", "SamplingParams", "WorkerConfig", "score"]
+__all__ = ["FleetResources", "RolloutBatch", "RolloutFleet", "RolloutWorker", "SamplingParams", "WorkerConfig", "score"]
 
 
 def __getattr__(name: str):  # heavy imports (transformers, Ray) only when used: `rollout --help` stays instant
@@ -17,6 +17,10 @@ def __getattr__(name: str):  # heavy imports (transformers, Ray) only when used:
         from .fleet import RolloutFleet
 
         return RolloutFleet
+    if name == "FleetResources":
+        from .resources import FleetResources
+
+        return FleetResources
     if name == "score":
         from .scoring import score
 

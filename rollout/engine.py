@@ -98,8 +98,17 @@ class Engine:
                                  self._generator)
         self.max_request_tokens = infer_max_single_request_tokens(manager.batch_processor.cache)
         self.model.train(was_training)
-        manager.start()
+        self._start(manager)
         return manager
+
+    @staticmethod
+    def _start(manager: ContinuousBatchingManager) -> None:
+        """`manager.start()`, but with a daemon thread: upstream's is not, so a process that never closed its
+        worker would hang at exit (Python joins non-daemon threads before running atexit handlers)."""
+        manager.background_thread_status.clear()
+        manager._generation_thread = threading.Thread(target=manager._run_generation_loop, daemon=True,
+                                                      name="rollout-engine")
+        manager._generation_thread.start()
 
     def _num_blocks(self) -> int:
         if self.config.num_blocks is not None:

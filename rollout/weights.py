@@ -91,5 +91,6 @@ def fingerprint(model: torch.nn.Module) -> str:
     for name, tensor in sorted(model.state_dict().items()):
         t = tensor.detach().to("cpu").contiguous()
         digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():
+            digest.update(t.view(torch.uint8).numpy())  # hashed through the buffer protocol, no bytes copy
     return digest.hexdigest()[:16]

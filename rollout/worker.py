@@ -128,21 +128,20 @@ class RolloutWorker:
     # ------------------------------------------------------------------ weights
     def refresh(self, version: int | None = None) -> int:
         """The shared model's weights changed in place: fence, forget cached KV, bump the version."""
+        _check_version(version)
         with self.engine.exclusive(abort_in_flight=self.config.in_flight == "abort"):
             return self._bump(version)
 
     def update_weights(self, weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
                        version: int | None = None, full: bool = False) -> int:
         """Copy new weights in place, atomically: every tensor is validated before any parameter changes."""
+        _check_version(version)
         plan = weights_mod.plan_update(self.model, weights, full=full)
         with self.engine.exclusive(abort_in_flight=self.config.in_flight == "abort"):
             weights_mod.apply_update(plan)
             return self._bump(version)
 
     def _bump(self, version: int | None) -> int:
-        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
-            raise ValueError(f"version={version!r} is invalid: must be a non-negative int. Fix: pass e.g. the "
-                             "trainer's step number, or None to increment.")
         self.engine.version = self.engine.version + 1 if version is None else version
         self._fingerprint_cache = None
         return self.engine.version
@@ -177,6 +176,13 @@ class RolloutWorker:
 def _loading_attn(config: WorkerConfig) -> str:
     """The attention a checkpoint is loaded with (the owner's; the engine's is set afterwards)."""
     return "sdpa" if config.attn_implementation in (None, "auto") else config.attn_implementation
+
+
+def _check_version(version: int | None) -> None:
+    """Checked before anything changes, so a bad version leaves weights and version as they were."""
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+        raise ValueError(f"version={version!r} is invalid: must be a non-negative int. Fix: pass e.g. the "
+                         "trainer's step number, or None to increment.")
 
 
 def _load(model_or_path: Any, tokenizer: Any, config: WorkerConfig):

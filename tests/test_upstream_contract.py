@@ -25,7 +25,12 @@ def test_the_hooked_methods_keep_their_signatures():
     assert list(inspect.signature(FIFOScheduler._schedule_request).parameters) == [
         "self", "state", "request_tokens", "token_budget", "request_ids_to_remove_from_waiting"]
     assert {"deliver", "deliver_batch", "fail_and_deliver"} <= set(vars(OutputRouter))
-    assert {"_create_batch_processor", "pause", "cancel_request", "is_running"} <= set(vars(ContinuousBatchingManager))
+    assert {"_create_batch_processor", "_run_generation_loop", "pause", "cancel_request", "is_running"} <= set(
+        vars(ContinuousBatchingManager))
+    # Engine._start replays start() with a daemon thread: start() must still be exactly this
+    source = inspect.getsource(ContinuousBatchingManager.start)
+    assert "self.background_thread_status.clear()" in source
+    assert "threading.Thread(target=self._run_generation_loop)" in source
     ledger = BlockLedger()
     assert ledger.hash_to_block == {} and ledger.block_to_hash == {} and ledger.cached_blocks == {}
 

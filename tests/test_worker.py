@@ -262,3 +262,14 @@ def test_a_timeout_raises_with_progress_and_leaves_nothing_running(shared):
         shared.generate(prompts_of([20, 30, 40, 50], seed=21), params, timeout=0.05)
     assert not shared.engine._pending and not shared.engine._rerun
     assert len(shared.generate([[3, 4]], SamplingParams(max_new_tokens=2))) == 1
+
+
+def test_a_process_that_never_closes_its_worker_still_exits(tiny_path):
+    import subprocess
+    import sys
+
+    script = ("from rollout import RolloutWorker, WorkerConfig\n"
+              f"w = RolloutWorker({str(tiny_path)!r}, WorkerConfig(num_blocks=16))\n"
+              "print(len(w.generate([[1, 2, 3]])))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr[-2000:]
