@@ -9,7 +9,6 @@ tensor addresses (CUDA graphs, optimizer references, tied weights) stay valid. N
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch

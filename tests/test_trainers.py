@@ -220,10 +220,10 @@ def test_grpo_pushes_weights_to_a_worker_with_its_own_copy(tiny_path):
 
 
 def test_logprob_gap_catches_a_weight_sync_that_silently_does_nothing(tiny_path, monkeypatch):
-    import trainers_integration.grpo as grpo
+    import trainers_integration.loop as loop
 
     model, tok = load_tiny_model(tiny_path)
-    monkeypatch.setattr(grpo, "push_weights", lambda rollouts, model, version: 0.0)
+    monkeypatch.setattr(loop, "push_weights", lambda rollouts, model, version: 0.0)
     with RolloutWorker(tiny_path, WorkerConfig()) as worker:
         trainer = GRPOTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), digit_reward(tok),
                               lambda step: ids(tok), worker, GRPOConfig(num_generations=4, max_new_tokens=8))

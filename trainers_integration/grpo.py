@@ -21,7 +21,6 @@ train / refresh seconds, and the train/rollout logprob gap on the first epoch (~
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,8 +31,8 @@ from rollout import RolloutBatch, SamplingParams
 
 from . import losses
 from .forward import completion_logprobs, pack
-from .rollouts import (PromptsExhausted, logprob_gap, pad_token_id, prompt_stream, push_weights,
-                       reference_logprobs, rewards_tensor, shares_model, timed_generate)
+from .loop import RolloutLoop
+from .rollouts import logprob_gap, pad_token_id
 
 RewardFn = Callable[[RolloutBatch], Any]
 
@@ -97,7 +96,7 @@ def check_config(cfg) -> None:
                          "None for the whole batch.")
 
 
-class GRPOTrainer:
+class GRPOTrainer(RolloutLoop):
     """Group-relative policy optimisation over a `rollouts` object (see module docstring).
 
     model: the policy being trained; optimizer: over its parameters; reward_fn(batch) -> R floats;
@@ -113,54 +112,11 @@ class GRPOTrainer:
         if self.config.beta and ref_model is None:
             raise ValueError(f"beta={self.config.beta} needs a reference model. Fix: pass ref_model=... (e.g. a "
                              "frozen copy of the initial policy) or use beta=0.")
-        self._prompts = prompt_stream(prompts)
-        self.num_steps = 0
-        self.history: list[dict[str, float]] = []
-        self.base_version = int(getattr(rollouts, "policy_version", 0))  # rollout versions continue from here
-        if not shares_model(rollouts, model):  # an own copy or a fleet: start from the policy's exact weights
-            push_weights(rollouts, model, version=self.base_version)
+        self._start_loop(prompts)
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    def train(self, num_steps: int, log: Callable[[dict], None] | None = None) -> list[dict[str, float]]:
-        """Up to `num_steps` steps (fewer if an iterable prompt source runs out); returns the history."""
-        for _ in range(num_steps):
-            try:
-                metrics = self.step()
-            except PromptsExhausted:  # raised before any work of the step
-                break
-            if log is not None:
-                log(metrics)
-        return self.history
-
-    def step(self) -> dict[str, float]:
-        cfg = self.config
-        start = time.perf_counter()
-        batch, rollout_s = timed_generate(self.rollouts, self._prompts(self.num_steps), cfg.sampling(),
-                                          cfg.chat_template)
-        rewards = rewards_tensor(self.reward_fn(batch), len(batch))
-        advantages = losses.group_advantages(rewards, cfg.num_generations, scale=cfg.scale_rewards)
-        ref = reference_logprobs(self.ref_model, batch, cfg.temperature) if self.ref_model is not None else None
-        train_start = time.perf_counter()
-        stats = self._update(batch, advantages, ref)
-        train_s = time.perf_counter() - train_start
-        self.num_steps += 1
-        refresh_s = push_weights(self.rollouts, self.model, version=self.base_version + self.num_steps)
-        metrics = {
-            "step": self.num_steps, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-            **stats, "completion_len": float(batch.completion_lengths.float().mean()),
-            "rollout_tokens": batch.num_tokens, "rollout_tokens_per_s": batch.num_tokens / max(rollout_s, 1e-9),
-            "rollout_s": rollout_s, "train_s": train_s, "refresh_s": refresh_s,
-            "staleness": float(self.base_version + self.num_steps - 1 - int(batch.policy_version.min())),
-            "step_s": time.perf_counter() - start,
-        }
-        self.history.append(metrics)
-        return metrics
-
-    def _update(self, batch: RolloutBatch, advantages: torch.Tensor, ref: torch.Tensor | None) -> dict[str, float]:
+    def _update(self, batch: RolloutBatch, rewards: torch.Tensor, ref: torch.Tensor | None) -> dict[str, float]:
         cfg, device = self.config, self.device
+        advantages = losses.group_advantages(rewards, cfg.num_generations, scale=cfg.scale_rewards)
         mask = batch.completion_mask.to(device)
         rollout_lp = batch.logprobs.to(device)
         advantages = advantages.to(device)

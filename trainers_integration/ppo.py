@@ -21,7 +21,6 @@ the first epoch), plus value loss and value clip fraction.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,9 +30,9 @@ from rollout import RolloutBatch, SamplingParams
 
 from . import losses
 from .forward import Packed, completion_logprobs, pack
+from .loop import RolloutLoop
 from .grpo import RewardFn, check_config, clip_grad_norm
-from .rollouts import (PromptsExhausted, logprob_gap, pad_token_id, prompt_stream, push_weights,
-                       reference_logprobs, rewards_tensor, shares_model, timed_generate)
+from .rollouts import logprob_gap, pad_token_id
 from .value import ValueHead
 
 
@@ -79,7 +78,7 @@ class PPOConfig:
                               max_new_tokens=self.max_new_tokens, stop_token_ids=self.stop_token_ids)
 
 
-class PPOTrainer:
+class PPOTrainer(RolloutLoop):
     """PPO over a `rollouts` object. value_model: a `ValueHead` on the policy's hidden states, or a critic module
     mapping a `Packed` batch to (R, T) values (e.g. `CriticModel`). The optimizer must cover the policy and the
     value model."""
@@ -92,12 +91,7 @@ class PPOTrainer:
         self.config = config if config is not None else PPOConfig()
         self.ref_model = ref_model
         self._check_optimizer()
-        self._prompts = prompt_stream(prompts)
-        self.num_steps = 0
-        self.history: list[dict[str, float]] = []
-        self.base_version = int(getattr(rollouts, "policy_version", 0))  # rollout versions continue from here
-        if not shares_model(rollouts, model):  # an own copy or a fleet: start from the policy's exact weights
-            push_weights(rollouts, model, version=self.base_version)
+        self._start_loop(prompts)
 
     def _check_optimizer(self) -> None:
         covered = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
@@ -106,45 +100,6 @@ class PPOTrainer:
             if trainable and not any(id(p) in covered for p in trainable):
                 raise ValueError(f"the optimizer holds none of {name}'s parameters. Fix: build it over both, e.g. "
                                  "AdamW([*policy.parameters(), *value_model.parameters()]).")
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    def train(self, num_steps: int, log=None) -> list[dict[str, float]]:
-        """Up to `num_steps` steps (fewer if an iterable prompt source runs out); returns the history."""
-        for _ in range(num_steps):
-            try:
-                metrics = self.step()
-            except PromptsExhausted:  # raised before any work of the step
-                break
-            if log is not None:
-                log(metrics)
-        return self.history
-
-    def step(self) -> dict[str, float]:
-        cfg = self.config
-        start = time.perf_counter()
-        batch, rollout_s = timed_generate(self.rollouts, self._prompts(self.num_steps), cfg.sampling(),
-                                          cfg.chat_template)
-        scores = rewards_tensor(self.reward_fn(batch), len(batch))
-        ref = reference_logprobs(self.ref_model, batch, cfg.temperature) if self.ref_model is not None else None
-        train_start = time.perf_counter()
-        stats = self._update(batch, scores, ref)
-        train_s = time.perf_counter() - train_start
-        self.num_steps += 1
-        refresh_s = push_weights(self.rollouts, self.model, version=self.base_version + self.num_steps)
-        metrics = {
-            "step": self.num_steps, "reward_mean": float(scores.mean()),
-            "reward_std": float(scores.std()) if len(scores) > 1 else 0.0, **stats,
-            "completion_len": float(batch.completion_lengths.float().mean()),
-            "rollout_tokens": batch.num_tokens, "rollout_tokens_per_s": batch.num_tokens / max(rollout_s, 1e-9),
-            "rollout_s": rollout_s, "train_s": train_s, "refresh_s": refresh_s,
-            "staleness": float(self.base_version + self.num_steps - 1 - int(batch.policy_version.min())),
-            "step_s": time.perf_counter() - start,
-        }
-        self.history.append(metrics)
-        return metrics
 
     def _forward(self, packed: Packed) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprobs, values), both (R, T): one policy forward for a ValueHead, policy + critic otherwise."""
