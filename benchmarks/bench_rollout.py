@@ -349,9 +349,9 @@ def main() -> None:
     results["ceiling@profile"] = {"useful_tokens_per_s": profile_tps}
     wtps = results["worker"]["useful_tokens_per_s"]
     ratios = {f"worker/{k}": wtps / v["useful_tokens_per_s"] for k, v in results.items() if k != "worker"}
-    targets = {"worker>=2.5x generate": ratios.get("worker/generate", 0) >= 2.5,
-               "worker>=2x generate_batch": ratios.get("worker/generate_batch", 0) >= 2.0,
-               "worker>=0.7x ceiling": ratios["worker/ceiling"] >= 0.7}
+    goals = {"generate": 2.5, "generate_batch": 2.0, "ceiling": 0.7}  # issue 7: worker / it at least this
+    targets = {f"worker>={bound}x {name}": ratios[f"worker/{name}"] >= bound
+               for name, bound in goals.items() if f"worker/{name}" in ratios}
     gb = round(statistics.median(gb_startup), 2) if gb_startup else None
 
     mem_kind = "allocated" if device.type == "cuda" else "RSS"
@@ -364,7 +364,7 @@ def main() -> None:
           f"num_blocks={args.num_blocks}; worker attention: {engine_attn}; ceiling: DynamicCache decode, {rows} rows, "
           f"context {mean_context}")
     print(f"# start-up: worker {startup['worker']:.2f} s once (warmup step of all workers {warmup_s:.1f} s); "
-          f"generate_batch {gb} s every step; model build {build_s:.1f} s; base RSS {base_rss:.0f} MiB")
+          f"generate_batch {'(skipped)' if gb is None else f'{gb} s'} every step; model build {build_s:.1f} s; base RSS {base_rss:.0f} MiB")
     print(f"{'method':<24}{'useful tok/s':>13}{'step s':>9}{'tokens':>8}{f'extra {mem_kind} MiB':>20}"
           f"{'logprob gap':>13}{'worker / it':>13}")
     for name, r in results.items():
