@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import invalid
+from .errors import check_int, invalid
 
 IN_FLIGHT_POLICIES = ("wait", "abort")
 
@@ -49,16 +49,16 @@ class WorkerConfig:
     attn_implementation: str | None = "auto"
 
     def __post_init__(self) -> None:
-        _positive_int("page_size", self.page_size, 4, "use a page size of at least 4 tokens (16 is a good CPU default)")
+        check_int("page_size", self.page_size, 4, "use a page size of at least 4 tokens (16 is a good CPU default)")
         if self.num_blocks is not None:
-            _positive_int("num_blocks", self.num_blocks, 1, "use None to size from kv_cache_memory_mb, or >= 1")
-        _positive_int("max_batch_tokens", self.max_batch_tokens, 1, "use e.g. 512 on CPU, 2048-8192 on GPU")
-        _positive_int("kv_cache_memory_mb", self.kv_cache_memory_mb, 1, "give the KV cache at least 1 MiB")
-        _positive_int("max_cache_tokens", self.max_cache_tokens, self.page_size,
+            check_int("num_blocks", self.num_blocks, 1, "use None to size from kv_cache_memory_mb, or >= 1")
+        check_int("max_batch_tokens", self.max_batch_tokens, 1, "use e.g. 512 on CPU, 2048-8192 on GPU")
+        check_int("kv_cache_memory_mb", self.kv_cache_memory_mb, 1, "give the KV cache at least 1 MiB")
+        check_int("max_cache_tokens", self.max_cache_tokens, self.page_size,
                       "allow at least one page of cached tokens")
-        _positive_int("max_requests_per_batch", self.max_requests_per_batch, 1, "allow at least 1 request per step")
-        _positive_int("max_retries", self.max_retries, 0, "use 0 to never re-run, or a small number such as 2")
-        _positive_int("seed", self.seed, 0, "use a non-negative integer")
+        check_int("max_requests_per_batch", self.max_requests_per_batch, 1, "allow at least 1 request per step")
+        check_int("max_retries", self.max_retries, 0, "use 0 to never re-run, or a small number such as 2")
+        check_int("seed", self.seed, 0, "use a non-negative integer")
         if self.in_flight not in IN_FLIGHT_POLICIES:
             raise invalid("in_flight", self.in_flight, f"must be one of {IN_FLIGHT_POLICIES}",
                           "use 'wait' (updates wait for in-flight requests) or 'abort' (re-run them)")
@@ -69,7 +69,3 @@ class WorkerConfig:
         if not isinstance(self.prefix_caching, bool):
             raise invalid("prefix_caching", self.prefix_caching, "must be a bool", "use True or False")
 
-
-def _positive_int(name: str, value: object, minimum: int, fix: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise invalid(name, value, f"must be an integer >= {minimum}", fix)

@@ -10,3 +10,9 @@ def invalid(field: str, value: object, rule: str, fix: str, where: str = "") -> 
     """
     prefix = f"{where}: " if where else ""
     return ValueError(f"{prefix}{field}={value!r} is invalid: {rule}. Fix: {fix}.")
+
+
+def check_int(name: str, value: object, minimum: int, fix: str) -> None:
+    """An int (not a bool) >= minimum, or the ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise invalid(name, value, f"must be an integer >= {minimum}", fix)

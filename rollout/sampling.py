@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .errors import invalid
+from .errors import check_int, invalid
 
 # Controls other engines offer that this one cannot honour per request, with their neutral values. They are fields
 # so that asking for them is a ValueError naming them, never a silent drop (transformers' engine drops several of
@@ -58,21 +58,21 @@ class SamplingParams:
                 raise invalid(key, getattr(self, key), "this engine cannot apply it per request",
                               f"leave it at {neutral} (supported: n, temperature, top_k, top_p, max_new_tokens, "
                               "stop_token_ids, ignore_eos, seed)")
-        _check_int("n", self.n, 1, "use n >= 1 samples per prompt")
+        check_int("n", self.n, 1, "use n >= 1 samples per prompt")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
                 or not math.isfinite(self.temperature) or self.temperature < 0:
             raise invalid("temperature", self.temperature, "must be a finite number >= 0",
                           "use 0 for greedy or a positive value such as 1.0")
-        _check_int("top_k", self.top_k, 0, "use 0 to disable top-k, or a positive k")
+        check_int("top_k", self.top_k, 0, "use 0 to disable top-k, or a positive k")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
                 or not (0.0 < self.top_p <= 1.0):
             raise invalid("top_p", self.top_p, "must be in (0, 1]", "use 1.0 to disable top-p")
-        _check_int("max_new_tokens", self.max_new_tokens, 1, "ask for at least 1 new token")
+        check_int("max_new_tokens", self.max_new_tokens, 1, "ask for at least 1 new token")
         if self.stop_token_ids is not None:
             for token in self.stop_token_ids:
-                _check_int("stop_token_ids", token, 0, "pass non-negative token ids")
+                check_int("stop_token_ids", token, 0, "pass non-negative token ids")
         if self.seed is not None:
-            _check_int("seed", self.seed, 0, "use a non-negative integer seed or None")
+            check_int("seed", self.seed, 0, "use a non-negative integer seed or None")
 
     @property
     def is_greedy(self) -> bool:
@@ -87,7 +87,3 @@ class SamplingParams:
                 raise invalid(key, values[key], "is not a sampling field", f"use one of {sorted(known)}")
         return cls(**values)
 
-
-def _check_int(name: str, value: object, minimum: int, fix: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise invalid(name, value, f"must be an integer >= {minimum}", fix)
