@@ -42,7 +42,7 @@ from .collective import WeightGroup, free_port, layout
 from .config import WorkerConfig
 from .dispatch import Dispatcher
 from .errors import invalid
-from .prompts import check_prompt, sampling_per_prompt, to_token_lists
+from .prompts import prepare_call
 from .resources import FleetResources
 from .weights import plan_update
 
@@ -95,10 +95,8 @@ class RolloutFleet:
     def generate(self, prompts: Sequence[Any], sampling=None, chat_template: bool = False,
                  timeout: float | None = None) -> RolloutBatch:
         """RolloutWorker.generate across the fleet: validated here, rows prompt-major in input order."""
-        token_lists = to_token_lists(prompts, self.tokenizer, chat_template)
-        params = sampling_per_prompt(sampling, len(token_lists))
-        for i, (ids, p) in enumerate(zip(token_lists, params)):
-            check_prompt(ids, p, i, self.vocab_size, self.max_context, self.max_request_tokens)
+        token_lists, params = prepare_call(prompts, sampling, self.tokenizer, chat_template, self.vocab_size,
+                                           self.max_context, self.max_request_tokens)
         costs = [len(ids) + p.n * p.max_new_tokens for ids, p in zip(token_lists, params)]
 
         def submit(actor, jobs: list[int]):

@@ -92,3 +92,14 @@ def check_prompt(ids: list[int], params: SamplingParams, index: int, vocab_size:
         if token >= vocab_size:
             raise invalid("stop_token_ids", token, f"ids must be in [0, {vocab_size})",
                           "use the model's own token ids", where)
+
+
+def prepare_call(prompts: Sequence[Any], sampling: SamplingParams | Sequence[SamplingParams] | None,
+                 tokenizer: Any, chat_template: bool, vocab_size: int, max_context: int | None,
+                 max_request_tokens: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """A whole generate call, validated before anything runs: (token lists, one SamplingParams per prompt)."""
+    token_lists = to_token_lists(prompts, tokenizer, chat_template)
+    params = sampling_per_prompt(sampling, len(token_lists))
+    for i, (ids, p) in enumerate(zip(token_lists, params)):
+        check_prompt(ids, p, i, vocab_size, max_context, max_request_tokens)
+    return token_lists, params

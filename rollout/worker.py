@@ -26,7 +26,7 @@ from .attention import resolve_attn_implementation  # also registers "rollout_pa
 from .batch import RolloutBatch
 from .config import WorkerConfig
 from .engine import Call, Engine, Sample
-from .prompts import check_prompt, sampling_per_prompt, to_token_lists
+from .prompts import prepare_call
 from .sampling import SamplingParams
 from . import weights as weights_mod
 
@@ -91,11 +91,9 @@ class RolloutWorker:
         return RolloutBatch.from_rows(rows, pad_token_id=pad, tokenizer=self.tokenizer)
 
     def _prepare(self, prompts, sampling, chat_template) -> list[list[Sample]]:
-        token_lists = to_token_lists(prompts, self.tokenizer, chat_template)
-        params = sampling_per_prompt(sampling, len(token_lists))
         max_context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
-        for i, (ids, p) in enumerate(zip(token_lists, params)):
-            check_prompt(ids, p, i, self.vocab_size, max_context, self.engine.max_request_tokens)
+        token_lists, params = prepare_call(prompts, sampling, self.tokenizer, chat_template, self.vocab_size,
+                                           max_context, self.engine.max_request_tokens)
         groups = []
         for i, (ids, p) in enumerate(zip(token_lists, params)):
             stop = () if p.ignore_eos else (p.stop_token_ids if p.stop_token_ids is not None else self.default_stop_ids)
