@@ -60,12 +60,21 @@ class Bucket:
 
 
 @dataclass
-class SharedPrefix:
-    """Decode rows whose first keys are the very same cache rows (forked samples of one prompt, prefix-cache hits):
-    those keys are read and attended once for all of them, and merged with each row's own keys by log-sum-exp."""
+class SharedPrefixes:
+    """Groups of decode rows whose first keys are the very same cache rows (forked samples of one prompt, prefix-cache
+    hits): each group's shared keys are read and attended once for all its rows, every group in one SDPA over a
+    [groups, max_len] key grid, then merged with each row's own keys by log-sum-exp.
 
-    rows: torch.Tensor  # [n] indices into the step's decode order
-    read_index: torch.Tensor  # [P] physical cache rows of the shared keys
+    Queries sit in a [groups, group_size] slot grid (a smaller group repeats one of its rows in its spare slots, whose
+    outputs are dropped)."""
+
+    read_index: torch.Tensor  # [G * max_len] physical cache rows (padding repeats a group's last shared key)
+    max_len: int
+    mask: torch.Tensor | None  # [G, 1, 1, max_len] additive (0 / -inf); None when every group has max_len keys
+    num_groups: int
+    group_size: int
+    slots: torch.Tensor | None  # [G * group_size] decode row of each query slot; None: slot i is row i
+    row_slot: torch.Tensor | None  # [R] slot of each decode row, G * group_size for a row in no group; None: identity
 
 
 @dataclass
@@ -74,7 +83,7 @@ class Decode:
 
     query_index: torch.Tensor | None  # [R] positions of the rows' query tokens; None: the first R tokens, in order
     buckets: list[Bucket] = field(default_factory=list)
-    prefixes: list[SharedPrefix] = field(default_factory=list)
+    prefix: SharedPrefixes | None = None
 
     @property
     def num_rows(self) -> int:
@@ -143,14 +152,14 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
 
 
 def _decode(plan: Decode, allocator, layer: int, q: torch.Tensor, out: torch.Tensor, scaling: float | None) -> None:
-    """All decode rows: one SDPA per bucket, query heads grouped onto their KV head ([n, Hkv, H / Hkv, D], no
-    repeat_kv); then, per shared prefix, one SDPA of all its rows' queries over the shared keys, merged in."""
+    """All decode rows: one SDPA per bucket over the rows' own keys, query heads grouped onto their KV head
+    ([n, Hkv, H / Hkv, D], no repeat_kv); then one SDPA of every shared prefix, merged in."""
     num_rows, num_heads, head_dim = plan.num_rows, q.shape[1], q.shape[2]
     num_kv_heads = allocator.num_key_value_heads
     qd = q[:num_rows] if plan.query_index is None else q.index_select(0, plan.query_index)
     qd = qd.reshape(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [R, Hkv, rep, D]
     od = qd.new_empty(qd.shape[:-1] + (out.shape[-1],))
-    lse = qd.new_empty(qd.shape[:-1], dtype=torch.float32) if plan.prefixes else None  # [R, Hkv, rep]
+    lse = qd.new_empty(qd.shape[:-1], dtype=torch.float32) if plan.prefix else None  # [R, Hkv, rep]
     empty, no_index = qd.new_empty(0, num_kv_heads, head_dim), plan.buckets[0].read_index[:0]
     for b in plan.buckets:
         k, v = allocator.update(empty, empty, layer, b.read_index, no_index)  # [n * L, Hkv, D], read only
@@ -161,24 +170,39 @@ def _decode(plan: Decode, allocator, layer: int, q: torch.Tensor, out: torch.Ten
                                                                 scale=scaling)
         else:
             od[b.start: b.end], lse[b.start: b.end] = _attention_with_lse(qd[b.start: b.end], k, v, b.mask, scaling)
-    for p in plan.prefixes:
-        n = p.rows.numel()
-        k, v = allocator.update(empty, empty, layer, p.read_index, no_index)  # [P, Hkv, D]
-        qp = qd.index_select(0, p.rows).transpose(0, 1).reshape(1, num_kv_heads, -1, head_dim)  # [1, Hkv, n*rep, D]
-        op, lp = _attention_with_lse(qp, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), None,
-                                     scaling)
-        op = op.view(num_kv_heads, n, -1, op.shape[-1]).transpose(0, 1)  # [n, Hkv, rep, Dv]
-        lp = lp.view(num_kv_heads, n, -1).transpose(0, 1)  # [n, Hkv, rep]
-        ls, os_ = lse.index_select(0, p.rows), od.index_select(0, p.rows)
-        top = torch.maximum(ls, lp)
-        ws, wp = (ls - top).exp(), (lp - top).exp()
-        merged = (os_.float() * ws[..., None] + op.float() * wp[..., None]) / (ws + wp)[..., None]
-        od.index_copy_(0, p.rows, merged.to(od.dtype))
+    if plan.prefix is not None:
+        op, lp = _shared_prefixes(plan.prefix, allocator, layer, qd, scaling)
+        total = torch.logaddexp(lse, lp)
+        od = (od * (lse - total).exp()[..., None] + op * (lp - total).exp()[..., None]).to(qd.dtype)
     od = od.view(num_rows, num_heads, -1)
     if plan.query_index is None:
         out[:num_rows] = od
     else:
         out.index_copy_(0, plan.query_index, od)
+
+
+def _shared_prefixes(p: SharedPrefixes, allocator, layer: int, qd: torch.Tensor, scaling: float | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of every decode row over its group's shared keys: (out [R, Hkv, rep, Dv], lse [R, Hkv, rep]), with
+    lse = -inf and out = 0 for a row in no group."""
+    num_rows, num_kv_heads, rep, head_dim = qd.shape
+    groups, size = p.num_groups, p.group_size
+    empty = qd.new_empty(0, num_kv_heads, head_dim)
+    k, v = allocator.update(empty, empty, layer, p.read_index, p.read_index[:0])  # [G * P, Hkv, D]
+    k = k.view(groups, p.max_len, num_kv_heads, -1).transpose(1, 2)  # [G, Hkv, P, D]
+    v = v.view(groups, p.max_len, num_kv_heads, -1).transpose(1, 2)
+    slots = qd if p.slots is None else qd.index_select(0, p.slots)  # [G * size, Hkv, rep, D]
+    qp = slots.view(groups, size, num_kv_heads, rep, head_dim).transpose(1, 2).reshape(groups, num_kv_heads,
+                                                                                       size * rep, head_dim)
+    op, lp = _attention_with_lse(qp, k, v, p.mask, scaling)  # [G, Hkv, size * rep, Dv], [G, Hkv, size * rep]
+    op = op.reshape(groups, num_kv_heads, size, rep, -1).transpose(1, 2).reshape(groups * size, num_kv_heads, rep, -1)
+    lp = lp.reshape(groups, num_kv_heads, size, rep).transpose(1, 2).reshape(groups * size, num_kv_heads, rep)
+    if p.row_slot is None:
+        return op, lp
+    # one extra slot for rows in no group: weight exp(-inf) = 0 on a zero output
+    op = torch.cat([op, op.new_zeros((1,) + op.shape[1:])])
+    lp = torch.cat([lp, lp.new_full((1,) + lp.shape[1:], float("-inf"))])
+    return op.index_select(0, p.row_slot), lp.index_select(0, p.row_slot)
 
 
 def _attention_with_lse(q, k, v, mask, scaling):
@@ -273,12 +297,39 @@ def _plan_decode(rows: list[int], starts_q: list[int], starts_k: list[int], key_
             mask.masked_fill_(~valid[:, None, None, :], float("-inf"))
         plan.buckets.append(Bucket(start, start + n, read_index[grid.flatten()], max_len, mask))
         start += n
-    position = {i: r for r, i in enumerate(order)}
-    for members, common in groups:
-        first_key = starts_k[members[0]]
-        plan.prefixes.append(SharedPrefix(torch.tensor([position[i] for i in members], device=device),
-                                          read_index[first_key: first_key + common]))
+    if groups:
+        plan.prefix = _plan_prefixes(groups, order, starts_k, read_index, allocator.cache_dtype)
     return plan
+
+
+def _plan_prefixes(groups: list[tuple[list[int], int]], order: list[int], starts_k: list[int],
+                   read_index: torch.Tensor, dtype: torch.dtype) -> SharedPrefixes:
+    """Lay the shared-prefix groups out as one SDPA: key grid [G, max_len], query slots [G, group_size], groups in
+    decode order, so that lock-step samples (contiguous groups of equal size) need no reordering at all."""
+    device = read_index.device
+    position = {i: r for r, i in enumerate(order)}
+    groups = sorted((sorted(position[i] for i in members), common) for members, common in groups)
+    size, max_len = max(len(rows) for rows, _ in groups), max(common for _, common in groups)
+    slots, grid, row_slot = [], [], [size * len(groups)] * len(order)
+    for rows, common in groups:
+        for row in rows:
+            row_slot[row] = len(slots)
+            slots.append(row)
+        slots += [rows[0]] * (size - len(rows))  # spare slots: any row of the group, outputs dropped
+        first_key = starts_k[order[rows[0]]]
+        grid += list(range(first_key, first_key + common)) + [first_key + common - 1] * (max_len - common)
+    mask = None
+    lengths = torch.tensor([common for _, common in groups], device=device)
+    if int(lengths.min()) < max_len:
+        valid = torch.arange(max_len, device=device)[None, :] < lengths[:, None]
+        mask = torch.zeros(len(groups), 1, 1, max_len, dtype=dtype, device=device)
+        mask.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    identity = list(range(len(order)))
+    exact = len(slots) == len(order)  # every row in a group, no spare slot: the slot grid is the decode order
+    return SharedPrefixes(read_index=read_index[torch.tensor(grid, device=device)], max_len=max_len, mask=mask,
+                          num_groups=len(groups), group_size=size,
+                          slots=None if exact and slots == identity else torch.tensor(slots, device=device),
+                          row_slot=None if exact and row_slot == identity else torch.tensor(row_slot, device=device))
 
 
 def _buckets(rows: list[int], key_lengths: dict[int, int], bytes_per_token: int) -> list[list[int]]:

@@ -70,7 +70,7 @@ def test_chunked_prefill_decode_and_forks_match_a_plain_forward(tiny, plans, mon
     decodes = [p.decode for p in plans if p.decode is not None]
     assert any(d.query_index is not None for d in decodes), "decode rows always came in order"
     assert any(len(d.buckets) > 1 for d in decodes)
-    assert any(d.prefixes for d in decodes), "forked samples never shared their prompt's keys"
+    assert any(d.prefix is not None for d in decodes), "forked samples never shared their prompt's keys"
     buckets = [b for d in decodes for b in d.buckets]
     if call_tokens == 0:  # every own-key length its own bucket: no padding
         assert all(b.mask is None for b in buckets)
@@ -99,7 +99,7 @@ def test_grouped_and_plain_multi_head_attention_match_a_plain_forward(kv_heads, 
     with RolloutWorker(model, WorkerConfig(max_batch_tokens=32, attn_implementation=NAME)) as worker:
         batch = worker.generate(prompts_of([9, 40, 70], vocab=512), params)
     assert_exact(model, batch, params)
-    assert any(p.decode is not None and p.decode.prefixes for p in plans)
+    assert any(p.decode is not None and p.decode.prefix is not None for p in plans)
 
 
 def test_sliding_window_layers_match_a_plain_forward(plans):
