@@ -61,3 +61,21 @@ def test_seeded_rows_are_reproducible_whatever_else_is_drawn():
 
     a, b = draw(10), draw(11)
     assert a[1] == b[1]  # the seeded row ignores the shared generator
+
+
+def test_draw_frequencies_are_exact_across_blocks_of_a_large_vocabulary():
+    # 300 tokens: three blocks of the two-level CDF, the last one partial; a whole block and scattered tokens at zero
+    gen = torch.Generator().manual_seed(5)
+    probs = torch.rand(300, generator=gen)
+    probs[128:256] = 0.0
+    probs[[0, 127, 256, 299]] = 0.0
+    probs[100] = 5.0  # one heavy token
+    probs /= probs.sum()
+    num = 200000
+    logits = probs.log().expand(num, 300).clone()
+    tokens, full, sampling = sample_rows(logits, [RowSampler(SamplingParams())] * num, torch.Generator().manual_seed(6))
+    freq = torch.bincount(tokens, minlength=300).double() / num
+    assert freq[probs == 0].sum() == 0, "a zero-probability token was drawn"
+    assert (freq - probs.double()).abs().max() < 4 * math.sqrt(float(probs.max()) / num)
+    assert torch.equal(full, sampling)
+    assert torch.allclose(full, torch.log_softmax(logits[0], -1)[tokens])
