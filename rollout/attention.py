@@ -134,15 +134,15 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)
     no_read = kwargs["write_index"][allocator.index][:0]
     allocator.update(k_new, v_new, layer, no_read, kwargs["write_index"][allocator.index])
-    empty_k, no_write = k_new[:0], no_read
+    read = _Reader(cache, allocator, layer)
     if plan.decode is not None:
-        _decode(plan.decode, allocator, layer, q, out, scaling)
+        _decode(plan.decode, read, q, out, scaling)
     gqa = q.shape[1] != k_new.shape[1]
     for r in plan.prefill:
         if r.read_index is None:
             kr, vr = k_new[r.query_start: r.query_end], v_new[r.query_start: r.query_end]
         else:
-            kr, vr = allocator.update(empty_k, empty_k, layer, r.read_index, no_write)
+            kr, vr = read(r.read_index)
         orow = F.scaled_dot_product_attention(q[r.query_start: r.query_end].transpose(0, 1).unsqueeze(0),
                                               kr.transpose(0, 1).unsqueeze(0), vr.transpose(0, 1).unsqueeze(0),
                                               attn_mask=r.mask, is_causal=r.mask is None, scale=scaling,
@@ -151,18 +151,17 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     return out.unsqueeze(0), None
 
 
-def _decode(plan: Decode, allocator, layer: int, q: torch.Tensor, out: torch.Tensor, scaling: float | None) -> None:
+def _decode(plan: Decode, read: "_Reader", q: torch.Tensor, out: torch.Tensor, scaling: float | None) -> None:
     """All decode rows: one SDPA per bucket over the rows' own keys, query heads grouped onto their KV head
     ([n, Hkv, H / Hkv, D], no repeat_kv); then one SDPA of every shared prefix, merged in."""
     num_rows, num_heads, head_dim = plan.num_rows, q.shape[1], q.shape[2]
-    num_kv_heads = allocator.num_key_value_heads
+    num_kv_heads = read.num_kv_heads
     qd = q[:num_rows] if plan.query_index is None else q.index_select(0, plan.query_index)
     qd = qd.reshape(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [R, Hkv, rep, D]
     od = qd.new_empty(qd.shape[:-1] + (out.shape[-1],))
     lse = qd.new_empty(qd.shape[:-1], dtype=torch.float32) if plan.prefix else None  # [R, Hkv, rep]
-    empty, no_index = qd.new_empty(0, num_kv_heads, head_dim), plan.buckets[0].read_index[:0]
     for b in plan.buckets:
-        k, v = allocator.update(empty, empty, layer, b.read_index, no_index)  # [n * L, Hkv, D], read only
+        k, v = read(b.read_index)  # [n * L, Hkv, D]
         k = k.view(b.end - b.start, b.max_len, num_kv_heads, -1).transpose(1, 2)  # [n, Hkv, L, D]
         v = v.view(b.end - b.start, b.max_len, num_kv_heads, -1).transpose(1, 2)
         if lse is None:
@@ -171,7 +170,7 @@ def _decode(plan: Decode, allocator, layer: int, q: torch.Tensor, out: torch.Ten
         else:
             od[b.start: b.end], lse[b.start: b.end] = _attention_with_lse(qd[b.start: b.end], k, v, b.mask, scaling)
     if plan.prefix is not None:
-        op, lp = _shared_prefixes(plan.prefix, allocator, layer, qd, scaling)
+        op, lp = _shared_prefixes(plan.prefix, read, qd, scaling)
         total = torch.logaddexp(lse, lp)
         od = (od * (lse - total).exp()[..., None] + op * (lp - total).exp()[..., None]).to(qd.dtype)
     od = od.view(num_rows, num_heads, -1)
@@ -181,14 +180,13 @@ def _decode(plan: Decode, allocator, layer: int, q: torch.Tensor, out: torch.Ten
         out.index_copy_(0, plan.query_index, od)
 
 
-def _shared_prefixes(p: SharedPrefixes, allocator, layer: int, qd: torch.Tensor, scaling: float | None
+def _shared_prefixes(p: SharedPrefixes, read: "_Reader", qd: torch.Tensor, scaling: float | None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every decode row over its group's shared keys: (out [R, Hkv, rep, Dv], lse [R, Hkv, rep]), with
     lse = -inf and out = 0 for a row in no group."""
     num_rows, num_kv_heads, rep, head_dim = qd.shape
     groups, size = p.num_groups, p.group_size
-    empty = qd.new_empty(0, num_kv_heads, head_dim)
-    k, v = allocator.update(empty, empty, layer, p.read_index, p.read_index[:0])  # [G * P, Hkv, D]
+    k, v = read(p.read_index)  # [G * P, Hkv, D]
     k = k.view(groups, p.max_len, num_kv_heads, -1).transpose(1, 2)  # [G, Hkv, P, D]
     v = v.view(groups, p.max_len, num_kv_heads, -1).transpose(1, 2)
     slots = qd if p.slots is None else qd.index_select(0, p.slots)  # [G * size, Hkv, rep, D]
@@ -203,6 +201,28 @@ def _shared_prefixes(p: SharedPrefixes, allocator, layer: int, qd: torch.Tensor,
     op = torch.cat([op, op.new_zeros((1,) + op.shape[1:])])
     lp = torch.cat([lp, lp.new_full((1,) + lp.shape[1:], float("-inf"))])
     return op.index_select(0, p.row_slot), lp.index_select(0, p.row_slot)
+
+
+class _Reader:
+    """Reads cache rows of one layer into a workspace kept on the cache and reused by every read of every layer and
+    step (grown when a read needs more). Each read is consumed by its SDPA before the next one, so one buffer for
+    keys and one for values suffice. Fresh tensors per read cost more than the copy itself on CPU: buffers of a few
+    MiB come from mmap and are returned at free, so every read page-faulted its output in again."""
+
+    def __init__(self, cache: PagedAttentionCache, allocator, layer: int) -> None:
+        self.keys, self.values = allocator._kv_token_views[layer]  # [cache rows, Hkv, D] views of the paged cache
+        self.num_kv_heads = allocator.num_key_value_heads
+        spaces = cache.__dict__.setdefault("_rollout_workspace", {})
+        self.space = spaces.setdefault(allocator.index, [self.keys.new_empty(0), self.values.new_empty(0)])
+
+    def __call__(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = index.numel()
+        if self.space[0].shape[0] < rows:
+            size = rows + rows // 4
+            self.space[:] = [self.keys.new_empty((size,) + self.keys.shape[1:]),
+                             self.values.new_empty((size,) + self.values.shape[1:])]
+        return (torch.index_select(self.keys, 0, index, out=self.space[0][:rows]),
+                torch.index_select(self.values, 0, index, out=self.space[1][:rows]))
 
 
 def _attention_with_lse(q, k, v, mask, scaling):

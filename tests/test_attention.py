@@ -70,12 +70,27 @@ def test_chunked_prefill_decode_and_forks_match_a_plain_forward(tiny, plans, mon
     decodes = [p.decode for p in plans if p.decode is not None]
     assert any(d.query_index is not None for d in decodes), "decode rows always came in order"
     assert any(len(d.buckets) > 1 for d in decodes)
-    assert any(d.prefix is not None for d in decodes), "forked samples never shared their prompt's keys"
+    prefixes = [d.prefix for d in decodes if d.prefix is not None]
+    assert prefixes, "forked samples never shared their prompt's keys"
+    # groups of 4, 3 and 2 samples next to rows in no group: spare query slots, a slot map, padded prefix keys
+    assert any(p.slots is not None and p.row_slot is not None for p in prefixes)
+    assert any(p.num_groups > 1 and p.mask is not None for p in prefixes)
     buckets = [b for d in decodes for b in d.buckets]
     if call_tokens == 0:  # every own-key length its own bucket: no padding
         assert all(b.mask is None for b in buckets)
     else:  # rows of close lengths share a bucket, padded and masked
         assert any(b.mask is not None for b in buckets), "decode rows never needed padding"
+
+
+def test_lock_step_samples_share_prefixes_without_reordering(tiny, plans):
+    # every prompt spans whole pages and has the same n: the slot grid is the decode order itself
+    model, _ = tiny
+    params = [SamplingParams(n=4, temperature=1.0, max_new_tokens=12, ignore_eos=True)] * 3
+    with RolloutWorker(model, WorkerConfig(attn_implementation=NAME)) as worker:
+        batch = worker.generate(prompts_of([40, 37, 52], seed=2), params)
+    assert_exact(model, batch, params)
+    prefixes = [p.decode.prefix for p in plans if p.decode is not None and p.decode.prefix is not None]
+    assert any(p.num_groups == 3 and p.group_size == 4 and p.slots is None and p.row_slot is None for p in prefixes)
 
 
 def test_prefix_cache_hits_match_a_plain_forward(tiny, plans):
