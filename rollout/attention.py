@@ -12,8 +12,10 @@ step. Here, registered under the name `rollout_paged` through transformers' `Att
   (none when its rows have equal lengths, as the lock-step samples of one prompt do), query heads grouped onto their
   KV heads, so no `repeat_kv`;
 - decode rows whose first keys are the same cache rows (the n forked samples of a prompt share its full pages; a
-  prefix-cache hit shares them across requests) attend to that shared prefix once, in one SDPA with all their queries,
-  and to their own keys in their bucket; the two halves are merged by log-sum-exp (CPU: the flash kernel returns it);
+  prefix-cache hit shares them across requests) attend to that shared prefix once per group, every group of the step
+  in one SDPA over a padded [groups, prefix] key grid, and to their own keys in their bucket; the two halves are
+  merged by log-sum-exp in one vectorised pass (CPU: the flash kernel returns the log-sum-exp);
+- every cache read lands in a workspace reused across reads, layers and steps (see `_Reader`);
 - each prefill or prefill-chunk row runs its own SDPA: causal when it starts at position 0, bottom-right causal
   (a [q, k] mask) when it continues a chunk or a prefix-cache hit; GQA through SDPA's `enable_gqa`.
 - Sliding-window layer groups read through the engine's own index and run one SDPA per row with a window mask.

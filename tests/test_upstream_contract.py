@@ -7,6 +7,7 @@ import inspect
 
 import transformers
 from transformers.generation.continuous_batching.cache_allocators.cache_allocator import BlockLedger
+from transformers.generation.continuous_batching.cache_allocators.full_attention import FullAttentionCacheAllocator
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager, OutputRouter
 from transformers.generation.continuous_batching.model_runner import ModelRunner
 from transformers.generation.continuous_batching.requests import RequestState, RequestStatus
@@ -33,6 +34,15 @@ def test_the_hooked_methods_keep_their_signatures():
     assert "threading.Thread(target=self._run_generation_loop)" in source
     ledger = BlockLedger()
     assert ledger.hash_to_block == {} and ledger.block_to_hash == {} and ledger.cached_blocks == {}
+
+
+def test_full_attention_layers_keep_per_layer_token_views_of_the_cache():
+    # rollout_paged reads cache rows straight from these [rows, kv_heads, head_dim] views, by the allocator's indices
+    source = inspect.getsource(FullAttentionCacheAllocator.register_cache_tensor)
+    assert "self._kv_token_views[layer_idx] = (k_view, v_view)" in source
+    update = inspect.getsource(FullAttentionCacheAllocator.update)
+    assert "k_cache, v_cache = self._kv_token_views[layer_idx]" in update
+    assert "torch.index_select(k_cache, 0, read_index)" in update
 
 
 def _fresh_state(tokens: list[int], children: int) -> RequestState:
