@@ -131,6 +131,7 @@ def _draw(probs: torch.Tensor, rows: list[RowSampler], generator: torch.Generato
     # u * total may round up to total itself: keep the target strictly below it
     targets = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))[:, None]
     block = torch.searchsorted(block_cdf, targets, right=True)  # first block whose cdf exceeds the target
+    block = block.clamp_(max=block_cdf.shape[1] - 1)  # only non-finite logits get past the last block
     before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), torch.zeros_like(targets))
     chosen = blocks.gather(1, block[:, :, None].expand(-1, -1, CHUNK)).squeeze(1)  # (N, CHUNK)
     inner = torch.searchsorted(chosen.double().cumsum(-1), targets - before, right=True).squeeze(1)
@@ -138,4 +139,4 @@ def _draw(probs: torch.Tensor, rows: list[RowSampler], generator: torch.Generato
     positions = torch.arange(CHUNK, device=device)
     last = torch.where(chosen > 0, positions, -1).amax(-1)
     inner = torch.where(inner >= CHUNK, last, inner)
-    return block.squeeze(1) * CHUNK + inner
+    return (block.squeeze(1) * CHUNK + inner).clamp_(0, vocab - 1)

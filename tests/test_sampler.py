@@ -79,3 +79,13 @@ def test_draw_frequencies_are_exact_across_blocks_of_a_large_vocabulary():
     assert (freq - probs.double()).abs().max() < 4 * math.sqrt(float(probs.max()) / num)
     assert torch.equal(full, sampling)
     assert torch.allclose(full, torch.log_softmax(logits[0], -1)[tokens])
+
+
+def test_non_finite_logits_still_give_a_token_in_the_vocabulary():
+    # a model that overflows must not take the engine down with an index error; the NaN logprob tells the caller
+    logits = torch.randn(4, 300)
+    logits[0] = float("nan")
+    logits[1, 5] = float("inf")
+    tokens, full, _ = sample_rows(logits, [RowSampler(SamplingParams())] * 4, torch.Generator().manual_seed(0))
+    assert ((tokens >= 0) & (tokens < 300)).all()
+    assert torch.isnan(full[0])
