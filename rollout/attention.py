@@ -173,8 +173,10 @@ def _decode(plan: Decode, read: "_Reader", q: torch.Tensor, out: torch.Tensor, s
             od[b.start: b.end], lse[b.start: b.end] = _attention_with_lse(qd[b.start: b.end], k, v, b.mask, scaling)
     if plan.prefix is not None:
         op, lp = _shared_prefixes(plan.prefix, read, qd, scaling)
+        # merged in float64: a few thousand values per layer, and the two halves' fp32 rounding no longer adds up
+        lse, lp = lse.double(), lp.double()
         total = torch.logaddexp(lse, lp)
-        od = (od * (lse - total).exp()[..., None] + op * (lp - total).exp()[..., None]).to(qd.dtype)
+        od = (od.double() * (lse - total).exp()[..., None] + op.double() * (lp - total).exp()[..., None]).to(qd.dtype)
     od = od.view(num_rows, num_heads, -1)
     if plan.query_index is None:
         out[:num_rows] = od
