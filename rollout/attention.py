@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.generation.continuous_batching.cache import PagedAttentionCache
+from transformers.generation.continuous_batching.cache import PagedAttentionCache, PagedAttentionMemoryHandler
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -437,5 +437,23 @@ def resolve_attn_implementation(requested: str | None, model) -> str | None:
     return NAME if model.device.type == "cpu" else None
 
 
+class _MemoryPlan:
+    """Upstream's memory plan charges every attention but flash for a dense [batch tokens, cache tokens] mask and for
+    KV repeated to every query head, so a large KV budget under `rollout_paged` failed the footprint check with a
+    MemoryError for a mask that is never allocated (1 GiB of KV for the test model at 4096 batch tokens: 34 GB of
+    phantom mask). Under `rollout_paged` the plan charges what it reads: no mask, K and V at their own head count."""
+
+    original_init = PagedAttentionMemoryHandler.__init__
+
+    @staticmethod
+    def init(handler, config, *args, **kwargs) -> None:
+        _MemoryPlan.original_init(handler, config, *args, **kwargs)
+        if config._attn_implementation == NAME:
+            handler.num_attention_masks = 0
+            handler.kv_heads_at_peak = 2 * (getattr(config, "num_key_value_heads", None)
+                                            or config.num_attention_heads)
+
+
+PagedAttentionMemoryHandler.__init__ = _MemoryPlan.init
 AttentionInterface.register(NAME, paged_attention_forward)
 AttentionMaskInterface.register(NAME, engine_mask)

@@ -199,3 +199,13 @@ def test_the_upstream_pieces_rollout_paged_relies_on_keep_their_shape():
         _attn_implementation = NAME
 
     assert not attn_mask_is_needed(Config())
+
+
+def test_a_large_kv_budget_is_not_charged_for_a_mask_that_is_never_built(tiny):
+    # upstream's plan charged rollout_paged a dense [4096, 2M-token] mask (34 GB) and refused to start
+    model, _ = tiny
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=4, ignore_eos=True)
+    config = WorkerConfig(kv_cache_memory_mb=1024, max_batch_tokens=4096, attn_implementation=NAME)
+    with RolloutWorker(model, config) as worker:
+        batch = worker.generate(prompts_of([20, 3]), [params, params])
+    assert_exact(model, batch, [params, params])
