@@ -35,7 +35,9 @@ def plain_logprobs(model, prompt, completion, temperature):
 def check(path, attn, dtype, device, args):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn).to(device)
+    # "auto" is the worker's default (rollout_paged on CPU, the model's own attention elsewhere) on an sdpa model
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                 attn_implementation="sdpa" if attn == "auto" else attn).to(device)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 400, (int(n),), generator=gen).tolist() for n in torch.randint(1, 200, (16,),
                                                                                                 generator=gen)]
@@ -69,9 +71,13 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--max-batch-tokens", type=int, default=2048)
     parser.add_argument("--kv-mb", type=int, default=2048)
+    parser.add_argument("--attns", default="sdpa,auto",
+                        help="engine attentions to check (auto: the worker's default); flash_attention_2 is added on "
+                             "CUDA when the wheel is present")
     args = parser.parse_args()
-    attns = ["sdpa"]
-    if args.device == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+    attns = args.attns.split(",")
+    if args.device == "cuda" and importlib.util.find_spec("flash_attn") is not None and \
+            "flash_attention_2" not in attns:
         attns.append("flash_attention_2")
     path = build_tiny_model(tempfile.mkdtemp() + "/model", size=SIZES[args.size], arch="qwen2")
     print(f"# exactness card: device={args.device} size={args.size} attns={attns} dtypes={args.dtypes} "
