@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.generation.continuous_batching.cache import PagedAttentionCache, PagedAttentionMemoryHandler
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+from transformers.generation.continuous_batching.utils import find_num_key_value_heads
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -312,14 +313,10 @@ def _plan_decode(rows: list[int], starts_q: list[int], starts_k: list[int], key_
         key_len = torch.tensor([own[i] for i in bucket], device=device)
         key_start = torch.tensor([starts_k[i] + offset[i] for i in bucket], device=device)
         pos = torch.arange(max_len, device=device)
-        valid = pos[None, :] < key_len[:, None]  # [n, L]
         # padding reads repeat the row's last key (finite data), masked out
         grid = key_start[:, None] + torch.minimum(pos[None, :], key_len[:, None] - 1)
-        mask = None
-        if not bool(valid.all()):
-            mask = torch.zeros(n, 1, 1, max_len, dtype=allocator.cache_dtype, device=device)
-            mask.masked_fill_(~valid[:, None, None, :], float("-inf"))
-        plan.buckets.append(Bucket(start, start + n, read_index[grid.flatten()], max_len, mask))
+        plan.buckets.append(Bucket(start, start + n, read_index[grid.flatten()], max_len,
+                                   _padding_mask(key_len, max_len, allocator.cache_dtype)))
         start += n
     if groups:
         plan.prefix = _plan_prefixes(groups, order, starts_k, read_index, allocator.cache_dtype)
@@ -342,18 +339,23 @@ def _plan_prefixes(groups: list[tuple[list[int], int]], order: list[int], starts
         slots += [rows[0]] * (size - len(rows))  # spare slots: any row of the group, outputs dropped
         first_key = starts_k[order[rows[0]]]
         grid += list(range(first_key, first_key + common)) + [first_key + common - 1] * (max_len - common)
-    mask = None
-    lengths = torch.tensor([common for _, common in groups], device=device)
-    if int(lengths.min()) < max_len:
-        valid = torch.arange(max_len, device=device)[None, :] < lengths[:, None]
-        mask = torch.zeros(len(groups), 1, 1, max_len, dtype=dtype, device=device)
-        mask.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    mask = _padding_mask(torch.tensor([common for _, common in groups], device=device), max_len, dtype)
     identity = list(range(len(order)))
     exact = len(slots) == len(order)  # every row in a group, no spare slot: the slot grid is the decode order
     return SharedPrefixes(read_index=read_index[torch.tensor(grid, device=device)], max_len=max_len, mask=mask,
                           num_groups=len(groups), group_size=size,
                           slots=None if exact and slots == identity else torch.tensor(slots, device=device),
                           row_slot=None if exact and row_slot == identity else torch.tensor(row_slot, device=device))
+
+
+def _padding_mask(lengths: torch.Tensor, max_len: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """[n, 1, 1, max_len] additive key mask (0 for each row's first `lengths` keys, -inf after); None when no row is
+    padded."""
+    valid = torch.arange(max_len, device=lengths.device)[None, :] < lengths[:, None]  # [n, max_len]
+    if bool(valid.all()):
+        return None
+    mask = torch.zeros(lengths.numel(), 1, 1, max_len, dtype=dtype, device=lengths.device)
+    return mask.masked_fill_(~valid[:, None, None, :], float("-inf"))
 
 
 def _buckets(rows: list[int], key_lengths: dict[int, int], bytes_per_token: int) -> list[list[int]]:
@@ -450,8 +452,7 @@ class _MemoryPlan:
         _MemoryPlan.original_init(handler, config, *args, **kwargs)
         if config._attn_implementation == NAME:
             handler.num_attention_masks = 0
-            handler.kv_heads_at_peak = 2 * (getattr(config, "num_key_value_heads", None)
-                                            or config.num_attention_heads)
+            handler.kv_heads_at_peak = 2 * find_num_key_value_heads(config)
 
 
 PagedAttentionMemoryHandler.__init__ = _MemoryPlan.init
