@@ -42,8 +42,8 @@ import transformers
 
 import ray
 from rollout import RolloutFleet, RolloutWorker, SamplingParams, WorkerConfig
-from rollout.actor import to_shared
-from rollout.tiny import SIZES, build_tiny_model, load_tiny_model
+from rollout.fleet.actor import to_shared
+from rollout.testing import SIZES, build_tiny_model, load_tiny_model
 
 
 def workload(num_prompts: int, n: int, gen_min: int, gen_max: int, vocab: int, seed: int = 0):

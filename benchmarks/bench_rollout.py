@@ -46,7 +46,7 @@ import torch
 import transformers
 
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
-from rollout.tiny import SIZES, build_tiny_model, load_tiny_model
+from rollout.testing import SIZES, build_tiny_model, load_tiny_model
 
 # Qwen2.5-0.5B's shape (494M parameters with tied embeddings), built locally with random weights
 QWEN2_0_5B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -98,7 +98,7 @@ def sync(device: torch.device) -> None:
 
 # ---------------------------------------------------------------------------------------------------- model
 def load_model(args):
-    """(model, pad_token_id, label). Sizes of rollout.tiny are Llamas with their trained tokenizer; "0.5b" is a
+    """(model, pad_token_id, label). Sizes of rollout.testing are Llamas with their trained tokenizer; "0.5b" is a
     Qwen2 of Qwen2.5-0.5B's shape with random weights (token ids only)."""
     dtype = getattr(torch, args.dtype)
     if args.size in SIZES:

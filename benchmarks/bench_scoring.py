@@ -22,7 +22,7 @@ import time
 import torch
 
 from rollout.scoring import DEFAULT_MAX_BATCH_TOKENS, score
-from rollout.tiny import build_tiny_model, load_tiny_model
+from rollout.testing import build_tiny_model, load_tiny_model
 
 
 def ragged_dataset(num_pairs: int, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:

@@ -19,7 +19,7 @@ import time
 import torch
 
 from rollout import RolloutWorker, WorkerConfig
-from rollout.tiny import build_tiny_model, load_tiny_model
+from rollout.testing import build_tiny_model, load_tiny_model
 
 
 def median_seconds(fn, repeats: int) -> float:

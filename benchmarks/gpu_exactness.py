@@ -19,7 +19,7 @@ import time
 import torch
 
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
-from rollout.tiny import build_tiny_model
+from rollout.testing import build_tiny_model
 
 SIZES = {"tiny": "tiny", "small": "small", "100m": "100m"}
 

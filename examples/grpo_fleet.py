@@ -13,7 +13,7 @@ import tempfile
 import torch
 
 from rollout import RolloutFleet, WorkerConfig
-from rollout.tiny import build_tiny_model, load_tiny_model
+from rollout.testing import build_tiny_model, load_tiny_model
 from trainers_integration.demo import make_prompts, target_reward
 from trainers_integration.grpo import GRPOConfig, GRPOTrainer, format_metrics
 

@@ -14,7 +14,7 @@ import tempfile
 import torch
 
 from rollout import RolloutWorker, WorkerConfig
-from rollout.tiny import build_tiny_model, load_tiny_model
+from rollout.testing import build_tiny_model, load_tiny_model
 from trainers_integration import PPOConfig, PPOTrainer, ValueHead
 from trainers_integration.demo import make_prompts
 from trainers_integration.grpo import format_metrics

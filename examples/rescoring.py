@@ -15,7 +15,7 @@ import tempfile
 import torch
 
 from rollout import RolloutWorker, SamplingParams, WorkerConfig, score
-from rollout.tiny import build_tiny_model, load_tiny_model
+from rollout.testing import build_tiny_model, load_tiny_model
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
 from .batch import RolloutBatch
 from .config import WorkerConfig
-from .sampling import SamplingParams
+from .params import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["FleetResources", "RolloutBatch", "RolloutFleet", "RolloutWorker", "SamplingParams", "WorkerConfig", "score"]
@@ -14,11 +14,11 @@ def __getattr__(name: str):  # heavy imports (transformers, Ray) only when used:
 
         return RolloutWorker
     if name == "RolloutFleet":  # imports Ray lazily
-        from .fleet import RolloutFleet
+        from .fleet.fleet import RolloutFleet
 
         return RolloutFleet
     if name == "FleetResources":
-        from .resources import FleetResources
+        from .fleet.resources import FleetResources
 
         return FleetResources
     if name == "score":

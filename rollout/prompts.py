@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .errors import invalid
-from .sampling import SamplingParams
+from .params import SamplingParams
 
 
 def to_token_lists(prompts: Sequence[Any], tokenizer: Any, chat_template: bool) -> list[list[int]]:

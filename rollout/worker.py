@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
-from .attention import resolve_attn_implementation  # also registers "rollout_paged" with transformers
 from .batch import RolloutBatch
 from .config import WorkerConfig
-from .engine import Call, Engine, Sample
+from .engine import (Call, Engine, Sample, current_attn_implementation, resolve_attn_implementation,
+                     set_attn_implementation)
 from .prompts import prepare_call
-from .sampling import SamplingParams
+from .params import SamplingParams
 from . import weights as weights_mod
 
 _LIVE_WORKERS: "weakref.WeakSet[RolloutWorker]" = weakref.WeakSet()
@@ -44,7 +44,7 @@ class RolloutWorker:
         self.config = config if config is not None else WorkerConfig()
         self.model, self.tokenizer = _load(model_or_path, tokenizer, self.config)
         self.owns_model = not hasattr(model_or_path, "forward")
-        self._user_attn = self.model.config._attn_implementation
+        self._user_attn = current_attn_implementation(self.model)
         engine_attn = resolve_attn_implementation(self.config.attn_implementation, self.model)
         if engine_attn is not None:
             self.model.set_attn_implementation(engine_attn)
@@ -52,7 +52,7 @@ class RolloutWorker:
         self._active_calls = 0
         self._was_training = self.model.training
         self.engine = Engine(self.model, self.config)
-        self._engine_attn = self.model.config._attn_implementation
+        self._engine_attn = current_attn_implementation(self.model)
         self._set_attn(self._user_attn)
         self._fingerprint_cache: tuple[int, str] | None = None
         _LIVE_WORKERS.add(self)
@@ -120,8 +120,7 @@ class RolloutWorker:
                     self.model.train(self._was_training)
 
     def _set_attn(self, impl: str) -> None:
-        if self.model.config._attn_implementation != impl:
-            self.model.set_attn_implementation(impl)
+        set_attn_implementation(self.model, impl)
 
     # ------------------------------------------------------------------ weights
     def refresh(self, version: int | None = None) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.tiny import build_tiny_model, load_tiny_model
+from rollout.testing import build_tiny_model, load_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,8 @@ import torch
 
 from conftest import reference_logprobs
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
-from rollout import attention
-from rollout.attention import NAME
+from rollout.engine import attention, plan as plan_mod
+from rollout.engine.attention import NAME
 
 TOL = 1e-5
 
@@ -31,14 +31,14 @@ def assert_exact(model, batch, params: list[SamplingParams]) -> None:
 def plans(monkeypatch):
     """Every step layout the attention builds, to check which paths a test really exercised."""
     built = []
-    original = attention._build_plan
+    original = plan_mod._build_plan
 
     def spy(allocator, kwargs):
         plan = original(allocator, kwargs)
         built.append(plan)
         return plan
 
-    monkeypatch.setattr(attention, "_build_plan", spy)
+    monkeypatch.setattr(plan_mod, "_build_plan", spy)
     return built
 
 
@@ -53,9 +53,9 @@ def random_model(arch: str = "llama", kv_heads: int = 2, **extra):
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
 
 
-@pytest.mark.parametrize("call_tokens", [0, attention.CALL_TOKENS])
+@pytest.mark.parametrize("call_tokens", [0, plan_mod.CALL_TOKENS])
 def test_chunked_prefill_decode_and_forks_match_a_plain_forward(tiny, plans, monkeypatch, call_tokens):
-    monkeypatch.setattr(attention, "CALL_TOKENS", call_tokens)
+    monkeypatch.setattr(plan_mod, "CALL_TOKENS", call_tokens)
     model, _ = tiny
     params = [SamplingParams(n=3, temperature=1.0, max_new_tokens=14, ignore_eos=True),
               SamplingParams(n=1, temperature=0.0, max_new_tokens=9, ignore_eos=True),

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from conftest import reference_logprobs
-from rollout import __version__, cli, jsonl, records
-from rollout.jsonl import FieldError, Job, JsonlError, Stats
+from rollout import __version__, cli
+from rollout.cli import jsonl, records
+from rollout.cli.jsonl import FieldError, Job, JsonlError, Stats
 
 TOL = 1e-5
 ROLLOUT = str(Path(sys.executable).with_name("rollout"))  # the console script pyproject.toml installs

@@ -13,10 +13,10 @@ import torch
 
 from conftest import reference_logprobs
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
-from rollout.actor import FleetActor, from_shared, model_source, to_shared
-from rollout.collective import WeightGroup, free_port, layout, pack, unpack
-from rollout.dispatch import Dispatcher
-from rollout.tiny import load_tiny_model
+from rollout.fleet.actor import FleetActor, from_shared, model_source, to_shared
+from rollout.fleet.collective import WeightGroup, free_port, layout, pack, unpack
+from rollout.fleet.dispatch import Dispatcher
+from rollout.testing import load_tiny_model
 from rollout.weights import fingerprint
 
 ray = pytest.importorskip("ray")
@@ -142,7 +142,7 @@ def test_actor_rebuilds_an_in_memory_model_with_identical_weights(tiny):
 
 def test_bad_fleet_arguments_fail_before_ray_starts(tiny_path):
     from rollout import RolloutFleet
-    from rollout.resources import FleetResources
+    from rollout.fleet.resources import FleetResources
 
     for kwargs, field in [({"num_workers": 0}, "num_workers"), ({"chunks_per_worker": 0}, "chunks_per_worker"),
                           ({"resources": {"placement": "pack"}}, "placement"), ({"resources": {"num_gpus": -1}},

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from rollout.sampler import RowSampler, sample_rows, truncation_mask
-from rollout.sampling import SamplingParams
+from rollout.engine.sampler import RowSampler, sample_rows, truncation_mask
+from rollout.params import SamplingParams
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1, 0.0]]).clamp_min(1e-30))  # token 4 has probability ~0
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import reference_logprobs
-from rollout.packing import Pair, batches, block_causal_mask, build_pack
+from rollout.scoring.packing import Pair, batches, block_causal_mask, build_pack
 from rollout.scoring import TokenScores, score, score_details, score_iter
 
 ATOL = 1e-5  # fp32 on CPU; a plain forward disagrees with itself by ~4e-6 when its length changes (measured)
@@ -181,7 +181,7 @@ def test_flash_attention_on_cpu_is_refused_before_any_compute(tiny):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash varlen path needs CUDA and flash-attn")
 def test_flash_varlen_rows_match_per_sequence_flash_forward(tiny_path):
     pytest.importorskip("flash_attn")
-    from rollout.tiny import load_tiny_model
+    from rollout.testing import load_tiny_model
 
     model, _ = load_tiny_model(tiny_path, attn_implementation="flash_attention_2", dtype=torch.bfloat16)
     model.to("cuda")

@@ -13,7 +13,7 @@ import torch
 
 from conftest import reference_logprobs
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
-from rollout.tiny import load_tiny_model
+from rollout.testing import load_tiny_model
 from trainers_integration import losses
 from trainers_integration.forward import completion_logprobs, pack
 from trainers_integration.grpo import GRPOConfig, GRPOTrainer

@@ -12,7 +12,7 @@ trl = pytest.importorskip("trl", reason="TRL is not installed: pip install 'roll
 datasets = pytest.importorskip("datasets", reason="TRL's datasets dependency is not installed")
 
 from rollout import RolloutWorker, WorkerConfig  # noqa: E402
-from rollout.tiny import load_tiny_model  # noqa: E402
+from rollout.testing import load_tiny_model  # noqa: E402
 from trainers_integration.trl import TRL_VERSION, group_repeats, make_rollout_func, trainer_sampling  # noqa: E402
 
 GAP = 1e-4

@@ -13,7 +13,7 @@ from transformers.generation.continuous_batching.model_runner import ModelRunner
 from transformers.generation.continuous_batching.requests import RequestState, RequestStatus
 from transformers.generation.continuous_batching.scheduler import FIFOScheduler
 
-from rollout.runner import RolloutScheduler
+from rollout.engine.scheduler import RolloutScheduler
 
 
 def test_transformers_is_the_pinned_version():

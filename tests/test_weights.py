@@ -11,7 +11,7 @@ import torch
 
 from conftest import reference_logprobs
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
-from rollout.tiny import load_tiny_model
+from rollout.testing import load_tiny_model
 
 TOL = 1e-5
 PAGE = 16

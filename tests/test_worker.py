@@ -7,14 +7,14 @@ import torch
 
 from conftest import reference_logprobs
 from rollout import RolloutBatch, RolloutWorker, SamplingParams, WorkerConfig
-from rollout.runner import RolloutModelRunner
+from rollout.engine.runner import RolloutModelRunner
 
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def shared(tiny_path):
-    from rollout.tiny import load_tiny_model
+    from rollout.testing import load_tiny_model
 
     model, tok = load_tiny_model(tiny_path)
     worker = RolloutWorker(model, WorkerConfig(page_size=16, max_batch_tokens=256), tokenizer=tok)

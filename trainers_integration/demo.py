@@ -2,7 +2,7 @@
 
 The task: reward = the fraction of completion tokens that are the token "7". A random policy spreads its mass over
 ~500 tokens, so it earns ~0.002; GRPO finds the signal in the few lucky samples and the reward climbs to ~1 in a
-few dozen steps. Nothing is downloaded: the model and its tokenizer are built locally (`rollout.tiny`).
+few dozen steps. Nothing is downloaded: the model and its tokenizer are built locally (`rollout.testing`).
 
 Each step prints reward, KL to the initial policy, the train/rollout logprob gap (the health metric of the weight
 sync: ~1e-6 here, because trainer and worker share the parameters) and rollout tokens/s. The run saves a PNG of
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from rollout import RolloutWorker, WorkerConfig
-from rollout.tiny import build_tiny_model, load_tiny_model
+from rollout.testing import build_tiny_model, load_tiny_model
 
 from .grpo import GRPOConfig, GRPOTrainer, format_metrics
 

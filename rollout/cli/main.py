@@ -13,8 +13,11 @@ import os
 import signal
 import sys
 import threading
+from importlib.metadata import entry_points
+from typing import Any
 
-from . import __version__, records
+from .. import __version__
+from . import records
 from .jsonl import Job, JsonlError, Process, Record, Stats, run
 
 
@@ -24,8 +27,8 @@ class UsageError(ValueError):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["demo"]:
-        return _demo(argv[1:])
+    if argv[:1] and argv[0] in plugin_commands():
+        return _run_plugin(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     stats = Stats()
     try:
@@ -48,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
 
 # ---------------------------------------------------------------------------------------------- commands
 def build_generate(args: argparse.Namespace, resources: contextlib.ExitStack) -> Job:
-    from .config import WorkerConfig
-    from .sampling import SamplingParams
+    from ..config import WorkerConfig
+    from ..params import SamplingParams
 
     _check_paths(args)
     base = {k: getattr(args, k) for k in records.SAMPLING_FIELDS if getattr(args, k) is not None}
@@ -86,7 +89,7 @@ def build_score(args: argparse.Namespace, resources: contextlib.ExitStack) -> Jo
         raise UsageError(f"--max-batch-tokens {args.max_batch_tokens} is invalid: must be >= 1")
 
     def start() -> Process:
-        from .scoring import score
+        from ..scoring import score
 
         model, tokenizer = _load_for_scoring(args.model)
 
@@ -104,11 +107,11 @@ def build_score(args: argparse.Namespace, resources: contextlib.ExitStack) -> Jo
 
 def _generate_backend(args: argparse.Namespace, config, resources: contextlib.ExitStack):
     if args.workers > 1:
-        from . import RolloutFleet
+        from ..fleet import RolloutFleet
 
         backend = RolloutFleet(args.model, num_workers=args.workers, config=config)
     else:
-        from .worker import RolloutWorker
+        from ..worker import RolloutWorker
 
         backend = RolloutWorker(args.model, config=config)
     resources.callback(backend.close)
@@ -144,13 +147,22 @@ def _check_paths(args: argparse.Namespace) -> None:
         raise UsageError(f"--batch-size {args.batch_size} is invalid: must be >= 1")
 
 
-def _demo(argv: list[str]) -> int:
+PLUGIN_GROUP = "rollout.commands"
+
+
+def plugin_commands() -> dict[str, Any]:
+    """Commands other packages register under the `rollout.commands` entry-point group (`rollout demo` comes from
+    trainers_integration this way, so nothing under rollout/ imports the trainers)."""
+    return {ep.name: ep for ep in entry_points(group=PLUGIN_GROUP)}
+
+
+def _run_plugin(name: str, argv: list[str]) -> int:
     try:
-        from trainers_integration.demo import main as demo_main
+        command = plugin_commands()[name].load()
     except ImportError as e:
-        print(f"rollout: error: the demo cannot start: {e}. Fix: pip install 'rollout[trl]'", file=sys.stderr)
+        print(f"rollout: error: `rollout {name}` cannot start: {e}. Fix: pip install -e '.[dev]'", file=sys.stderr)
         return 2
-    return int(demo_main(argv) or 0)
+    return int(command(argv) or 0)
 
 
 @contextlib.contextmanager
@@ -246,8 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(score, batch_size=256)
     score.set_defaults(build=build_score)
 
-    commands.add_parser("demo", add_help=False, help="GRPO demo on a tiny model; `rollout demo --help` lists its "
-                        "options (all arguments go to trainers_integration.demo)")
+    for name, ep in sorted(plugin_commands().items()):
+        commands.add_parser(name, add_help=False, help=f"from {ep.value.split(':')[0]}; `rollout {name} --help` "
+                            "lists its options")
     return parser
 
 

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from .collective import Bucket, WeightGroup
-from .config import WorkerConfig
-from .worker import RolloutWorker
+from ..config import WorkerConfig
+from ..worker import RolloutWorker
 
 
 @dataclass(frozen=True)

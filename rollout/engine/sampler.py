@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import SamplingParams
+from ..params import SamplingParams
 
 
 @dataclass

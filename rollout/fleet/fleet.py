@@ -37,14 +37,14 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("RolloutFleet needs Ray. Fix: pip install 'rollout[ray]'.") from exc
 
 from .actor import FleetActor, InMemoryModel, model_source, to_shared
-from .batch import RolloutBatch
+from ..batch import RolloutBatch
 from .collective import WeightGroup, free_port, layout
-from .config import WorkerConfig
+from ..config import WorkerConfig
 from .dispatch import Dispatcher
-from .errors import invalid
-from .prompts import prepare_call
+from ..errors import invalid
+from ..prompts import prepare_call
 from .resources import FleetResources
-from .weights import plan_update
+from ..weights import plan_update
 
 MAX_START_FAILURES = 3  # consecutive failed starts of one actor before the fleet gives up
 _Actor = ray.remote(concurrency_groups={"control": 2})(FleetActor)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from .jsonl import FieldError, Record
-from .sampling import UNSUPPORTED, SamplingParams
+from ..params import UNSUPPORTED, SamplingParams
 
 SAMPLING_FIELDS = ("n", "temperature", "top_k", "top_p", "max_new_tokens", "stop_token_ids", "ignore_eos", "seed")
 GENERATE_OUTPUT = ("completions", "completion_ids", "logprobs", "finish_reason", "policy_version")

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .errors import invalid
+from ..errors import invalid
 from .packing import Pack, Pair, batches, block_causal_mask, build_pack
 
 DEFAULT_MAX_BATCH_TOKENS = 2048

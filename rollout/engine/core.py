@@ -25,12 +25,15 @@ from transformers.generation.continuous_batching.model_runner import infer_max_s
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestState, RequestStatus
 from transformers.generation.continuous_batching.utils import attn_mask_is_needed
 
-from .attention import RolloutManager
-from .batch import Row
-from .config import WorkerConfig
-from .runner import CHILD_SEPARATOR, SCHEDULER_NAME, RolloutModelRunner, RolloutRouter
+from ..batch import Row
+from ..config import WorkerConfig
+from ..params import SamplingParams
+from . import memory  # noqa: F401  (patches upstream's memory plan for rollout_paged)
+from .manager import RolloutManager
+from .router import RolloutRouter
+from .runner import RolloutModelRunner
 from .sampler import RowSampler
-from .sampling import SamplingParams
+from .scheduler import CHILD_SEPARATOR, SCHEDULER_NAME
 
 
 @dataclass

@@ -1,0 +1,29 @@
+"""The engine layer: transformers' continuous-batching engine, made exact and unkillable.
+
+Owns everything that touches `transformers.generation.continuous_batching` or transformers' private attributes
+(tests/test_layout.py checks it). May import: torch, transformers, and rollout's leaf modules (`params`, `config`,
+`batch`, `errors`). Knows nothing about tokenizers, Ray or trainers.
+
+One request, hop by hop, from `RolloutWorker.generate` to its row:
+1. submit (`core.py`, `Engine.run` / `Engine._submit`): the samples of one prompt become one `RequestState` whose
+   children are the other samples; each gets a `RowSampler` (its params, its generator if seeded), and the state
+   goes on the manager's input queue.
+2. schedule (`scheduler.py`, `RolloutScheduler`): upstream's FIFO scheduler picks prefill chunks and decodes under
+   the token budget; the 1-token fork that would crash upstream becomes separate children sharing cached blocks.
+3. forward (`manager.py` runs upstream's loop on the engine thread; `attention.py` + `plan.py` are the mask-free
+   `rollout_paged` attention that reads the paged cache; `memory.py` sizes the cache for it).
+4. sample (`runner.py`, `RolloutModelRunner._forward_process_and_sample` -> `sampler.py`, `sample_rows`): per-row
+   temperature / top-k / top-p and both logprobs from the one set of logits, written where upstream reads outputs.
+5. deliver (`router.py`, `RolloutRouter` -> `Engine._on_output`): each finished request becomes a `Row`, exactly
+   once, on the sample that asked for it.
+6. heal (`core.py`, `Engine._heal`): if the engine thread died or a request failed, the manager is rebuilt and
+   every unfinished sample re-runs (up to `max_retries`); weight changes go through `Engine.exclusive`, which
+   drains or aborts in-flight work and forgets every prefix-cache hash.
+"""
+
+from .attention import (current_attn_implementation, resolve_attn_implementation,  # also registers "rollout_paged"
+                        set_attn_implementation)
+from .core import Call, Engine, Sample
+
+__all__ = ["Call", "Engine", "Sample", "current_attn_implementation", "resolve_attn_implementation",
+           "set_attn_implementation"]

@@ -1,0 +1,23 @@
+"""RolloutManager: transformers' ContinuousBatchingManager, accepting `rollout_paged` (upstream accepts only sdpa,
+paged|eager and flash), and marking its loop thread so that the model's mask creation is skipped there (see
+`attention.engine_mask`)."""
+
+from __future__ import annotations
+
+from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+
+from .attention import ENGINE_THREAD, NAME
+
+
+class RolloutManager(ContinuousBatchingManager):
+    def switch_to_cb_friendly_attn(self, model, auto_switch_to_flash: bool = True) -> None:
+        if model.config._attn_implementation == NAME:
+            return
+        super().switch_to_cb_friendly_attn(model, auto_switch_to_flash)
+
+    def _run_generation_loop(self, *args, **kwargs):
+        ENGINE_THREAD.active = True
+        try:
+            return super()._run_generation_loop(*args, **kwargs)
+        finally:
+            ENGINE_THREAD.active = False

@@ -1,0 +1,34 @@
+"""RolloutScheduler: FIFO scheduling minus the 1-token fork crash.
+
+The engine forks the n samples of a prompt after prefilling all but its last token; when exactly one token is left
+(a 1-token prompt, or a prefix-cache hit leaving one token) it schedules a 0-token forward and dies. Here such
+children become separate requests that share the cached prefix blocks instead.
+"""
+
+from __future__ import annotations
+
+from transformers.generation.continuous_batching.requests import RequestStatus
+from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPPING, FIFOScheduler
+
+SCHEDULER_NAME = "rollout_fifo"
+CHILD_SEPARATOR = "__child#"
+
+
+class RolloutScheduler(FIFOScheduler):
+    """FIFO scheduling, minus the 1-token fork crash."""
+
+    def _schedule_request(self, state, request_tokens, token_budget, request_ids_to_remove_from_waiting) -> None:
+        if state.num_children > 0 and len(request_tokens) <= 1 and state.status != RequestStatus.DECODING:
+            self._split_children(state)
+        super()._schedule_request(state, request_tokens, token_budget, request_ids_to_remove_from_waiting)
+
+    def _split_children(self, state) -> None:
+        for i in range(state.num_children):
+            child = state.create_equivalent_initial_request()
+            child.request_id = f"{state.request_id}{CHILD_SEPARATOR}{i}"
+            child.num_children = 0
+            self.add_waiting_request(child)
+        state.num_children = 0
+
+
+SCHEDULER_MAPPING[SCHEDULER_NAME] = RolloutScheduler

@@ -1,0 +1,19 @@
+"""The fleet layer: RolloutWorker's API on a pool of Ray actors.
+
+Owns every Ray import in the package (tests/test_layout.py checks it). May import the worker layer (`rollout.worker`
+and the leaf modules below it), never the engine's internals directly. Files: `fleet.py` (RolloutFleet: dispatch,
+recovery, weight broadcast), `actor.py` (the actor around one worker), `dispatch.py` (token-load dispatch),
+`resources.py` (placement), `collective.py` (the torch.distributed weight transport).
+"""
+
+
+def __getattr__(name: str):  # Ray is imported only when the fleet itself is used
+    if name == "RolloutFleet":
+        from .fleet import RolloutFleet
+
+        return RolloutFleet
+    if name == "FleetResources":
+        from .resources import FleetResources
+
+        return FleetResources
+    raise AttributeError(f"module 'rollout.fleet' has no attribute {name!r}")

@@ -1,0 +1,10 @@
+"""Tiny models built locally (nothing downloaded) for tests, examples, benchmarks and the demo.
+
+`build_tiny_model` saves a model and a tokenizer trained in-process; `load_tiny_model` loads them back through the
+normal `from_pretrained` path, so the real loading code is exercised. May import torch, tokenizers and
+transformers' public model classes; nothing else of rollout.
+"""
+
+from .tiny import SIZES, build_config, build_tiny_model, build_tokenizer, load_tiny_model
+
+__all__ = ["SIZES", "build_config", "build_tiny_model", "build_tokenizer", "load_tiny_model"]
