@@ -34,7 +34,8 @@ _LIVE_WORKERS: "weakref.WeakSet[RolloutWorker]" = weakref.WeakSet()
 
 
 @atexit.register
-def _close_all() -> None:  # the engine thread is not a daemon: stop it or the interpreter hangs at exit
+def _close_all() -> None:  # the engine thread is a daemon, so exit never hangs; stopping it here still lets
+    # it finish its step before the interpreter tears down the modules it runs on
     for worker in list(_LIVE_WORKERS):
         worker.close()
 

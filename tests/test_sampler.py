@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from rollout.engine.sampler import RowSampler, sample_rows, truncation_mask
+from rollout.engine.sampler import RowSpec, sample_rows, truncation_mask
 from rollout.params import SamplingParams
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1, 0.0]]).clamp_min(1e-30))  # token 4 has probability ~0
@@ -26,7 +26,7 @@ def test_truncation_keeps_top_k_then_the_smallest_top_p_set():
 def test_draws_follow_the_truncated_distribution_and_report_its_logprob():
     num = 40000
     logits = LOGITS.expand(num, 5).clone()
-    rows = [RowSampler(SamplingParams(top_k=3))] * num
+    rows = [RowSpec(SamplingParams(top_k=3))] * num
     tokens, full, sampling = sample_rows(logits, rows, torch.Generator().manual_seed(0))
     freq = torch.bincount(tokens, minlength=5).double() / num
     expected = torch.tensor([0.5, 0.25, 0.15, 0.0, 0.0]) / 0.9
@@ -37,13 +37,13 @@ def test_draws_follow_the_truncated_distribution_and_report_its_logprob():
 
 def test_a_zero_probability_token_is_never_drawn():
     logits = torch.tensor([[0.0, -math.inf, 0.0, -math.inf]]).expand(5000, 4).clone()
-    tokens, _, _ = sample_rows(logits, [RowSampler(SamplingParams())] * 5000, torch.Generator().manual_seed(1))
+    tokens, _, _ = sample_rows(logits, [RowSpec(SamplingParams())] * 5000, torch.Generator().manual_seed(1))
     assert set(tokens.tolist()) == {0, 2}
 
 
 def test_greedy_rows_take_the_argmax_next_to_sampled_rows():
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(2))
-    rows = [RowSampler(SamplingParams(temperature=0.0 if i % 2 else 1.5)) for i in range(6)]
+    rows = [RowSpec(SamplingParams(temperature=0.0 if i % 2 else 1.5)) for i in range(6)]
     tokens, full, sampling = sample_rows(logits, rows, torch.Generator().manual_seed(3))
     assert tokens[1::2].tolist() == logits[1::2].argmax(-1).tolist()
     assert (sampling[1::2] == 0).all()
@@ -55,8 +55,8 @@ def test_seeded_rows_are_reproducible_whatever_else_is_drawn():
     logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(4))
 
     def draw(shared_seed):
-        seeded = RowSampler(SamplingParams(seed=7), torch.Generator().manual_seed(7))
-        rows = [RowSampler(SamplingParams()), seeded, RowSampler(SamplingParams())]
+        seeded = RowSpec(SamplingParams(seed=7), torch.Generator().manual_seed(7))
+        rows = [RowSpec(SamplingParams()), seeded, RowSpec(SamplingParams())]
         return sample_rows(logits, rows, torch.Generator().manual_seed(shared_seed))[0]
 
     a, b = draw(10), draw(11)
@@ -73,7 +73,7 @@ def test_draw_frequencies_are_exact_across_blocks_of_a_large_vocabulary():
     probs /= probs.sum()
     num = 200000
     logits = probs.log().expand(num, 300).clone()
-    tokens, full, sampling = sample_rows(logits, [RowSampler(SamplingParams())] * num, torch.Generator().manual_seed(6))
+    tokens, full, sampling = sample_rows(logits, [RowSpec(SamplingParams())] * num, torch.Generator().manual_seed(6))
     freq = torch.bincount(tokens, minlength=300).double() / num
     assert freq[probs == 0].sum() == 0, "a zero-probability token was drawn"
     assert (freq - probs.double()).abs().max() < 4 * math.sqrt(float(probs.max()) / num)
@@ -86,6 +86,6 @@ def test_non_finite_logits_still_give_a_token_in_the_vocabulary():
     logits = torch.randn(4, 300)
     logits[0] = float("nan")
     logits[1, 5] = float("inf")
-    tokens, full, _ = sample_rows(logits, [RowSampler(SamplingParams())] * 4, torch.Generator().manual_seed(0))
+    tokens, full, _ = sample_rows(logits, [RowSpec(SamplingParams())] * 4, torch.Generator().manual_seed(0))
     assert ((tokens >= 0) & (tokens < 300)).all()
     assert torch.isnan(full[0])

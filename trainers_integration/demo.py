@@ -29,6 +29,9 @@ from rollout.testing import build_tiny_model, load_tiny_model
 from .grpo import GRPOConfig, GRPOTrainer, format_metrics
 
 TARGET = "7"
+# the prompts of step t come from seed * PROMPT_SEED_STRIDE + t: a prime above any step count, so two seeds never
+# share a step's prompts
+PROMPT_SEED_STRIDE = 100_003
 WORDS = ("the a one two three four five six seven eight nine ten plus minus what how many apple cat dog red blue "
          "green big small count add sum total number word letter sky sea tree").split()
 
@@ -54,7 +57,7 @@ def make_prompts(tokenizer, num_prompts: int, seed: int):
     """step -> `num_prompts` short random word prompts (token ids), reproducible from the seed and the step."""
 
     def prompts(step: int) -> list[list[int]]:
-        gen = torch.Generator().manual_seed(seed * 100_003 + step)
+        gen = torch.Generator().manual_seed(seed * PROMPT_SEED_STRIDE + step)
         out = []
         for _ in range(num_prompts):
             length = int(torch.randint(2, 6, (1,), generator=gen))

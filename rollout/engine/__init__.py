@@ -6,7 +6,7 @@ Owns everything that touches `transformers.generation.continuous_batching` or tr
 
 One request, hop by hop, from `RolloutWorker.generate` to its row:
 1. submit (`core.py`, `Engine.run` / `Engine._submit`): the samples of one prompt become one `RequestState` whose
-   children are the other samples; each gets a `RowSampler` (its params, its generator if seeded), and the state
+   children are the other samples; each gets a `RowSpec` (its params, its generator if seeded), and the state
    goes on the manager's input queue.
 2. schedule (`scheduler.py`, `RolloutScheduler`): upstream's FIFO scheduler picks prefill chunks and decodes under
    the token budget; the 1-token fork that would crash upstream becomes separate children sharing cached blocks.

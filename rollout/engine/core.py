@@ -32,7 +32,7 @@ from . import memory  # noqa: F401  (patches upstream's memory plan for rollout_
 from .manager import RolloutManager
 from .router import RolloutRouter
 from .runner import RolloutModelRunner
-from .sampler import RowSampler
+from .sampler import RowSpec
 from .scheduler import CHILD_SEPARATOR, SCHEDULER_NAME
 
 
@@ -67,6 +67,11 @@ class Call:
         return all(s.row is not None for s in self.samples) or self.failure is not None
 
 
+# A seeded sample's generator is seeded with seed * SEED_STRIDE + sample index: a prime larger than any n, so the
+# samples of one seed never collide with those of another (seed s, sample i != seed s', sample i').
+SEED_STRIDE = 1_000_003
+
+
 class Engine:
     def __init__(self, model, config: WorkerConfig, version: int = 0) -> None:
         self.model = model
@@ -79,7 +84,7 @@ class Engine:
         self._pending: dict[str, Sample] = {}  # engine request id -> sample
         self._rerun: list[Sample] = []  # samples whose engine request failed; re-run by a waiting caller
         self._sampling_logprobs: dict[str, list[float]] = {}
-        self._row_samplers: dict[str, RowSampler] = {}
+        self._row_specs: dict[str, RowSpec] = {}
         self._updating = False
         self._generator = torch.Generator(device=model.device).manual_seed(config.seed)
         self._manager = self._build_manager()
@@ -97,7 +102,7 @@ class Engine:
         manager = RolloutManager(self.model, gen_config, cb_config)  # also accepts rollout_paged
         manager.output_router = RolloutRouter(self._on_output)
         manager.batch_processor = manager._create_batch_processor()
-        RolloutModelRunner.adopt(manager.batch_processor.model_runner, self._row_sampler, self._record,
+        RolloutModelRunner.adopt(manager.batch_processor.model_runner, self._row_spec, self._record,
                                  self._generator)
         self.max_request_tokens = infer_max_single_request_tokens(manager.batch_processor.cache)
         self.model.train(was_training)
@@ -144,25 +149,25 @@ class Engine:
         self._rerun.extend(self._pending.values())
         self._pending.clear()
         self._sampling_logprobs.clear()
-        self._row_samplers.clear()
+        self._row_specs.clear()
 
     # ------------------------------------------------------------------ engine-thread callbacks
-    def _row_sampler(self, request_id: str) -> RowSampler:
-        sampler = self._row_samplers.get(request_id)
+    def _row_spec(self, request_id: str) -> RowSpec:
+        sampler = self._row_specs.get(request_id)
         if sampler is None:  # a forked child: inherits its parent's params, its own generator if seeded
             sample = self._pending.get(request_id)
             if sample is None:  # abandoned (aborted, timed out) while the engine forks it: output is dropped
-                return RowSampler(SamplingParams(temperature=0.0))
-            sampler = self._make_row_sampler(sample)
-            self._row_samplers[request_id] = sampler
+                return RowSpec(SamplingParams(temperature=0.0))
+            sampler = self._make_row_spec(sample)
+            self._row_specs[request_id] = sampler
         return sampler
 
-    def _make_row_sampler(self, sample: Sample) -> RowSampler:
+    def _make_row_spec(self, sample: Sample) -> RowSpec:
         seed = sample.params.seed
         if seed is None:
-            return RowSampler(sample.params)
-        gen = torch.Generator(device=self.model.device).manual_seed(seed * 1_000_003 + sample.sample_index)
-        return RowSampler(sample.params, gen)
+            return RowSpec(sample.params)
+        gen = torch.Generator(device=self.model.device).manual_seed(seed * SEED_STRIDE + sample.sample_index)
+        return RowSpec(sample.params, gen)
 
     def _record(self, request_ids: list[str], values: list[float]) -> None:
         for request_id, value in zip(request_ids, values):
@@ -172,7 +177,7 @@ class Engine:
         with self._cond:
             sample = self._pending.pop(output.request_id, None)
             sampling = self._sampling_logprobs.pop(output.request_id, [])
-            self._row_samplers.pop(output.request_id, None)
+            self._row_specs.pop(output.request_id, None)
             if sample is None:  # cancelled by an abort fence, or already re-run
                 return
             if output.status == RequestStatus.FINISHED and output.error is None:
@@ -223,7 +228,7 @@ class Engine:
             sample.version = self.version
             sample.attempts += 1
             self._pending[request_id if i == 0 else f"{request_id}{CHILD_SEPARATOR}{i - 1}"] = sample
-        self._row_samplers[request_id] = self._make_row_sampler(head)
+        self._row_specs[request_id] = self._make_row_spec(head)
         state = RequestState(request_id=request_id, initial_tokens=list(head.prompt_ids), num_children=len(group) - 1,
                              max_new_tokens=head.params.max_new_tokens, eos_token_id=list(head.stop_ids))
         self._manager.input_queue.put(state)

@@ -12,21 +12,21 @@ from collections.abc import Callable
 import torch
 from transformers.generation.continuous_batching.model_runner import ModelRunner
 
-from .sampler import RowSampler, sample_rows
+from .sampler import RowSpec, sample_rows
 
 
 class RolloutModelRunner(ModelRunner):
     """Forward, then our own per-row sampling. Writes tokens and full-vocabulary logprobs where the engine reads
     them, and hands each row's sampling logprob to `record(request_id, value)`."""
 
-    row_sampler: Callable[[str], RowSampler]
+    row_spec: Callable[[str], RowSpec]
     record: Callable[[list[str], list[float]], None]
     generator: torch.Generator | None
 
     @classmethod
-    def adopt(cls, runner: ModelRunner, row_sampler, record, generator) -> "RolloutModelRunner":
+    def adopt(cls, runner: ModelRunner, row_spec, record, generator) -> "RolloutModelRunner":
         runner.__class__ = cls
-        runner.row_sampler, runner.record, runner.generator = row_sampler, record, generator
+        runner.row_spec, runner.record, runner.generator = row_spec, record, generator
         return runner  # type: ignore[return-value]
 
     def _forward_process_and_sample(self, model, batch_data, carry_over_ids, prev_output_ids, output_ids) -> None:
@@ -41,7 +41,7 @@ class RolloutModelRunner(ModelRunner):
         if not ids:
             return
         logits = logits[0, : len(ids)].float()  # [num_new_tokens, V]
-        tokens, logprobs, sampling = sample_rows(logits, [self.row_sampler(i) for i in ids], self.generator)
+        tokens, logprobs, sampling = sample_rows(logits, [self.row_spec(i) for i in ids], self.generator)
         count = tokens.size(0)
         output_ids[0, :count].copy_(tokens)
         output_ids[1, :count].copy_(logprobs.float().view(dtype=torch.int32))

@@ -18,7 +18,7 @@ from ..params import SamplingParams
 
 
 @dataclass
-class RowSampler:
+class RowSpec:
     """What one row needs to be sampled: its params and, for seeded requests, its own generator."""
 
     params: SamplingParams
@@ -41,7 +41,7 @@ def truncation_mask(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: tor
     return removed
 
 
-def sample_rows(logits: torch.Tensor, rows: list[RowSampler], generator: torch.Generator | None
+def sample_rows(logits: torch.Tensor, rows: list[RowSpec], generator: torch.Generator | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample one token per row. logits: (N, V) fp32. Returns (tokens (N,) int64, logprobs (N,), sampling (N,)).
 
@@ -79,7 +79,7 @@ def _assign(x: torch.Tensor, index: list[int], values: torch.Tensor) -> None:
         x[torch.tensor(index, device=x.device)] = values
 
 
-def _sample_subset(scaled: torch.Tensor, full_logprobs: torch.Tensor, rows: list[RowSampler],
+def _sample_subset(scaled: torch.Tensor, full_logprobs: torch.Tensor, rows: list[RowSpec],
                    generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample rows that are not greedy. scaled: (M, V) temperature-scaled logits, full_logprobs their log-softmax.
     Returns tokens and their logprob under the distribution sampled from (the full one when nothing is truncated:
@@ -104,7 +104,7 @@ def _sample_subset(scaled: torch.Tensor, full_logprobs: torch.Tensor, rows: list
 CHUNK = 128  # tokens per block of the two-level inverse CDF
 
 
-def _draw(probs: torch.Tensor, rows: list[RowSampler], generator: torch.Generator | None) -> torch.Tensor:
+def _draw(probs: torch.Tensor, rows: list[RowSpec], generator: torch.Generator | None) -> torch.Tensor:
     """One exact draw per row by inverse CDF: a uniform u in [0, 1), target = u * total, and the first token whose
     cumulative probability exceeds the target (a zero-probability token never does). Seeded rows draw their uniform
     from their own generator, the rest from the worker's.
