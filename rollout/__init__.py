@@ -2,10 +2,12 @@
 
 from .batch import RolloutBatch
 from .config import WorkerConfig
+from .env import Environment, EpisodeSpec, Turn
 from .params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["FleetResources", "RolloutBatch", "RolloutFleet", "RolloutWorker", "SamplingParams", "WorkerConfig", "score"]
+__all__ = ["Environment", "EpisodeSpec", "FleetResources", "RolloutBatch", "RolloutFleet", "RolloutWorker", "SamplingParams", "Turn", "WorkerConfig",
+           "score"]
 
 
 def __getattr__(name: str):  # heavy imports (transformers, Ray) only when used: `rollout --help` stays instant

@@ -27,6 +27,10 @@ class Row:
     sampling_logprobs: list[float]
     finish_reason: str
     policy_version: int
+    action_mask: list[bool] | None = None  # None: every completion token is the model's (no environment)
+    reward: float = 0.0
+    num_turns: int = 1
+    error: str = ""
 
 
 @dataclass(frozen=True)
@@ -40,8 +44,18 @@ class RolloutBatch:
         greedy rows): what a trainer's plain forward recomputes.
     sampling_logprobs: (R, T) float32, log p(token) under the distribution actually sampled from (after top-k /
         top-p truncation; 0.0 for greedy rows, a point mass).
-    finish_reason: R strings, "stop" (a stop token ended the row; it is the last completion token) or "length".
-    policy_version: (R,) int64, the weights version that produced each row.
+    finish_reason: R strings. Without an environment: "stop" (a stop token ended the row; it is the last completion
+        token) or "length". With one (multi-turn episodes): "done" (the environment said so), "max_turns", "length"
+        (the episode's token budget) or "error" (the environment raised, timed out or answered ids outside the
+        vocabulary; the message is in `errors`).
+    policy_version: (R,) int64, the weights version that produced each row (the oldest, if several did).
+    action_mask: (R, T) bool, True on model-generated tokens (equal to `completion_mask` without an environment;
+        False on observation tokens and padding).
+    rewards: (R,) float32, the sum of each episode's turn rewards (0 without an environment).
+    num_turns: (R,) int64, model turns of each row (1 without an environment).
+    errors: R strings, why an episode ended with "error" ("" otherwise).
+    stats: counts of the call: `prompt_tokens` (what its engine requests were prompted with, every turn of an
+        episode counted), `reused_tokens` (of those, served by the prefix cache), `prefill_tokens` (the rest).
     """
 
     prompt_ids: list[list[int]]
@@ -54,20 +68,28 @@ class RolloutBatch:
     finish_reason: list[str]
     policy_version: torch.Tensor
     sample_index: torch.Tensor
+    action_mask: torch.Tensor
+    rewards: torch.Tensor
+    num_turns: torch.Tensor
+    errors: list[str]
+    stats: dict[str, int] = field(default_factory=dict, compare=False)
     tokenizer: Any = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def from_rows(cls, rows: Sequence[Row], pad_token_id: int = 0, tokenizer: Any = None) -> "RolloutBatch":
+    def from_rows(cls, rows: Sequence[Row], pad_token_id: int = 0, tokenizer: Any = None,
+                  stats: dict[str, int] | None = None) -> "RolloutBatch":
         width = max((len(r.completion_ids) for r in rows), default=0)
         num = len(rows)
         ids = torch.full((num, width), pad_token_id, dtype=torch.long)
         mask = torch.zeros((num, width), dtype=torch.bool)
         logprobs = torch.zeros((num, width), dtype=torch.float32)
         sampling = torch.zeros((num, width), dtype=torch.float32)
+        action = torch.zeros((num, width), dtype=torch.bool)
         for i, row in enumerate(rows):
             length = len(row.completion_ids)
             ids[i, :length] = torch.tensor(row.completion_ids, dtype=torch.long)
             mask[i, :length] = True
+            action[i, :length] = True if row.action_mask is None else torch.tensor(row.action_mask, dtype=torch.bool)
             logprobs[i, :length] = torch.tensor(row.logprobs, dtype=torch.float32)
             sampling[i, :length] = torch.tensor(row.sampling_logprobs, dtype=torch.float32)
         return cls(
@@ -81,6 +103,11 @@ class RolloutBatch:
             finish_reason=[r.finish_reason for r in rows],
             policy_version=torch.tensor([r.policy_version for r in rows], dtype=torch.long),
             sample_index=torch.tensor([r.sample_index for r in rows], dtype=torch.long),
+            action_mask=action,
+            rewards=torch.tensor([r.reward for r in rows], dtype=torch.float32),
+            num_turns=torch.tensor([r.num_turns for r in rows], dtype=torch.long),
+            errors=[r.error for r in rows],
+            stats=dict(stats or {}),
             tokenizer=tokenizer,
         )
 
@@ -102,7 +129,9 @@ class RolloutBatch:
                 prompt_ids=self.prompt_ids[i], completion_ids=self.completion_ids[i, :length].tolist(),
                 logprobs=self.logprobs[i, :length].tolist(),
                 sampling_logprobs=self.sampling_logprobs[i, :length].tolist(),
-                finish_reason=self.finish_reason[i], policy_version=int(self.policy_version[i])))
+                finish_reason=self.finish_reason[i], policy_version=int(self.policy_version[i]),
+                action_mask=self.action_mask[i, :length].tolist(), reward=float(self.rewards[i]),
+                num_turns=int(self.num_turns[i]), error=self.errors[i]))
         return out
 
     def completion_token_lists(self) -> list[list[int]]:

@@ -31,6 +31,8 @@ class WorkerConfig:
         them and re-run them on the new weights.
     seed: seed of the worker's own sampling generator (the global torch RNG is never touched).
     max_retries: times a request is re-run after the engine died under it before the call fails.
+    env_threads: threads that run environments' synchronous `step` calls (and `make_env`) of multi-turn episodes, so
+        that many slow steps overlap; a step that outlives `env_timeout` keeps its thread until it returns.
     attn_implementation: attention used by the engine: "auto" (default: "rollout_paged" on CPU, the model's own
         elsewhere), "rollout_paged" (rollout/attention.py: no dense mask, batched decode), "sdpa", "paged|eager", a
         flash implementation, or None to keep the model's. The owner's attention is restored between calls.
@@ -46,6 +48,7 @@ class WorkerConfig:
     in_flight: str = "wait"
     seed: int = 0
     max_retries: int = 2
+    env_threads: int = 64
     attn_implementation: str | None = "auto"
 
     def __post_init__(self) -> None:
@@ -59,6 +62,8 @@ class WorkerConfig:
         check_int("max_requests_per_batch", self.max_requests_per_batch, 1, "allow at least 1 request per step")
         check_int("max_retries", self.max_retries, 0, "use 0 to never re-run, or a small number such as 2")
         check_int("seed", self.seed, 0, "use a non-negative integer")
+        check_int("env_threads", self.env_threads, 1, "allow at least 1 thread for environment steps (64 is the "
+                  "default)")
         if self.in_flight not in IN_FLIGHT_POLICIES:
             raise invalid("in_flight", self.in_flight, f"must be one of {IN_FLIGHT_POLICIES}",
                           "use 'wait' (updates wait for in-flight requests) or 'abort' (re-run them)")

@@ -19,9 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from .errors import invalid
-
-FINISH_REASONS = ("done", "max_turns", "length", "error")  # how an episode ends (`RolloutBatch.finish_reason`)
+from .errors import check_int, invalid
 
 
 @dataclass(frozen=True)
@@ -64,3 +62,60 @@ EnvFactory = Callable[[int, int], Environment]
 def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """How the episodes of one `generate(..., env=...)` call run. Validated before anything is submitted.
+
+    env: `make_env(prompt_index, sample_index) -> Environment`, called once per episode (picklable for a fleet).
+    max_turns: model turns per episode, at least 1.
+    max_episode_tokens: budget of an episode's completion (turns and observations); None: what the model's context
+        and the KV cache allow for one request.
+    env_timeout: seconds one environment step may take (None: no limit); past it the episode ends with "error".
+    """
+
+    env: EnvFactory
+    max_turns: int = 1
+    max_episode_tokens: int | None = None
+    env_timeout: float | None = 300.0
+
+    def __post_init__(self) -> None:
+        if not callable(self.env):
+            raise invalid("env", _short(self.env), "must be callable as make_env(prompt_index, sample_index)",
+                          "pass a function or class that returns an Environment")
+        check_int("max_turns", self.max_turns, 1, "allow at least 1 model turn per episode")
+        if self.max_episode_tokens is not None:
+            check_int("max_episode_tokens", self.max_episode_tokens, 1,
+                      "use None for what the context allows, or a positive budget")
+        if self.env_timeout is not None and (isinstance(self.env_timeout, bool)
+                                             or not isinstance(self.env_timeout, (int, float))
+                                             or not self.env_timeout > 0):
+            raise invalid("env_timeout", self.env_timeout, "must be None or a number of seconds > 0",
+                          "use e.g. 60.0, or None for no limit")
+
+    @classmethod
+    def of(cls, env: EnvFactory | None, max_turns: int, max_episode_tokens: int | None,
+           env_timeout: float | None) -> "EpisodeSpec | None":
+        """The spec of a call, or None for a plain (single-turn, environment-free) call."""
+        if env is not None:
+            return cls(env, max_turns, max_episode_tokens, env_timeout)
+        if max_turns != 1 or max_episode_tokens is not None:
+            field_name, value = ("max_turns", max_turns) if max_turns != 1 else ("max_episode_tokens",
+                                                                                  max_episode_tokens)
+            raise invalid(field_name, value, "only applies to multi-turn episodes", "pass env=make_env, or leave "
+                          "max_turns=1 and max_episode_tokens=None")
+        return None
+
+    def budget(self, prompt_len: int, limit: int, where: str) -> int:
+        """The completion budget of an episode whose prompt has `prompt_len` tokens, when one request may hold
+        `limit` tokens (the model context and the KV cache)."""
+        room = limit - prompt_len
+        if self.max_episode_tokens is None:
+            return room
+        if self.max_episode_tokens > room:
+            raise invalid("max_episode_tokens", self.max_episode_tokens,
+                          f"prompt length {prompt_len} + max_episode_tokens exceeds what one request may hold "
+                          f"({limit} tokens: the model context and the KV cache)",
+                          f"use max_episode_tokens <= {room}, None, or a larger KV cache", where)
+        return self.max_episode_tokens

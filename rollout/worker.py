@@ -24,9 +24,10 @@ import torch
 
 from .batch import RolloutBatch
 from .config import WorkerConfig
-from .engine import (Call, Engine, Sample, current_attn_implementation, resolve_attn_implementation,
+from .engine import (Call, Engine, Episode, Sample, current_attn_implementation, resolve_attn_implementation,
                      set_attn_implementation)
 from .prompts import prepare_call
+from .env import EnvFactory, EpisodeSpec
 from .params import SamplingParams
 from . import weights as weights_mod
 
@@ -80,26 +81,44 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence[Any], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                 chat_template: bool = False, timeout: float | None = None) -> RolloutBatch:
-        """Generate every sample of every prompt; rows come back prompt-major. Validates the whole call first."""
-        groups = self._prepare(prompts, sampling, chat_template)
+                 chat_template: bool = False, timeout: float | None = None, env: EnvFactory | None = None,
+                 max_turns: int = 1, max_episode_tokens: int | None = None,
+                 env_timeout: float | None = 300.0) -> RolloutBatch:
+        """Generate every sample of every prompt; rows come back prompt-major. Validates the whole call first.
+
+        With `env` (`make_env(prompt_index, sample_index) -> Environment`), every sample is a multi-turn episode:
+        after each model turn its environment steps off the engine thread and the next turn is submitted as soon as
+        the observation is back, reusing the episode's cached KV (docs/episodes.md)."""
+        spec = EpisodeSpec.of(env, max_turns, max_episode_tokens, env_timeout)
+        groups = self._prepare(prompts, sampling, chat_template, spec)
         call = Call([s for group in groups for s in group])
         if call.samples:
             with self._generation_mode():
                 self.engine.run(groups, call, timeout=timeout)
         rows = sorted((s.row for s in call.samples), key=lambda r: (r.prompt_index, r.sample_index))
         pad = self.tokenizer.pad_token_id if self.tokenizer is not None and self.tokenizer.pad_token_id is not None else 0
-        return RolloutBatch.from_rows(rows, pad_token_id=pad, tokenizer=self.tokenizer)
+        stats = {"prompt_tokens": call.prompt_tokens, "reused_tokens": call.reused_tokens,
+                 "prefill_tokens": call.prompt_tokens - call.reused_tokens}
+        return RolloutBatch.from_rows(rows, pad_token_id=pad, tokenizer=self.tokenizer, stats=stats)
 
-    def _prepare(self, prompts, sampling, chat_template) -> list[list[Sample]]:
+    def _prepare(self, prompts, sampling, chat_template, spec: EpisodeSpec | None = None) -> list[list[Sample]]:
         max_context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        limit = self.engine.max_request_tokens if max_context is None else min(max_context,
+                                                                                self.engine.max_request_tokens)
         token_lists, params = prepare_call(prompts, sampling, self.tokenizer, chat_template, self.vocab_size,
                                            max_context, self.engine.max_request_tokens)
         groups = []
         for i, (ids, p) in enumerate(zip(token_lists, params)):
             stop = () if p.ignore_eos else (p.stop_token_ids if p.stop_token_ids is not None else self.default_stop_ids)
-            groups.append([Sample(None, i, j, ids, p, tuple(stop)) for j in range(p.n)])
+            budget = None if spec is None else spec.budget(len(ids), limit, f"prompt {i}")
+            groups.append([Sample(None, i, j, ids, p, tuple(stop), episode=self._episode(spec, budget))
+                           for j in range(p.n)])
         return groups
+
+    def _episode(self, spec: EpisodeSpec | None, budget: int | None) -> Episode | None:
+        if spec is None:
+            return None
+        return Episode(spec.env, spec.max_turns, budget, self.vocab_size, spec.env_timeout)
 
     @contextlib.contextmanager
     def _generation_mode(self):

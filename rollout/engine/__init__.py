@@ -24,6 +24,7 @@ One request, hop by hop, from `RolloutWorker.generate` to its row:
 from .attention import (current_attn_implementation, resolve_attn_implementation,  # also registers "rollout_paged"
                         set_attn_implementation)
 from .core import Call, Engine, Sample
+from .episode import Episode
 
-__all__ = ["Call", "Engine", "Sample", "current_attn_implementation", "resolve_attn_implementation",
+__all__ = ["Call", "Engine", "Episode", "Sample", "current_attn_implementation", "resolve_attn_implementation",
            "set_attn_implementation"]

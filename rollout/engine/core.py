@@ -30,15 +30,18 @@ from ..config import WorkerConfig
 from ..params import SamplingParams
 from . import memory  # noqa: F401  (patches upstream's memory plan for rollout_paged)
 from .manager import RolloutManager
+from .episode import Episode
 from .router import RolloutRouter
 from .runner import RolloutModelRunner
 from .sampler import RowSpec
 from .scheduler import CHILD_SEPARATOR, SCHEDULER_NAME
+from .stepper import Stepper
 
 
-@dataclass
+@dataclass(eq=False)
 class Sample:
-    """One requested sample: where it goes in the result, and its outcome."""
+    """One requested sample: where it goes in the result, and its outcome. With an environment, the sample is a
+    multi-turn episode (`episode`), submitted once per model turn."""
 
     call: "Call | None"
     prompt_index: int
@@ -50,14 +53,28 @@ class Sample:
     version: int = 0
     row: Row | None = None
     error: str | None = None
+    episode: Episode | None = None
+
+    def context(self) -> list[int]:
+        """What the next engine request is prompted with: the prompt, plus an episode's history so far."""
+        return self.prompt_ids if self.episode is None else self.prompt_ids + self.episode.tokens
+
+    def budget(self) -> int:
+        """New tokens the next engine request may generate."""
+        if self.episode is None:
+            return self.params.max_new_tokens
+        return self.episode.turn_budget(self.params.max_new_tokens)
 
 
 @dataclass
 class Call:
-    """The samples of one generate call."""
+    """The samples of one generate call, and what its requests prefilled and reused from the prefix cache."""
 
     samples: list[Sample] = field(default_factory=list)
     failure: str | None = None
+    abandoned: bool = False  # timed out or interrupted: late outputs and environment steps are dropped
+    prompt_tokens: int = 0  # tokens its engine requests were prompted with (each turn of an episode counts)
+    reused_tokens: int = 0  # of those, tokens served from the prefix cache instead of prefilled
 
     def __post_init__(self) -> None:
         for sample in self.samples:
@@ -70,6 +87,9 @@ class Call:
 # A seeded sample's generator is seeded with seed * SEED_STRIDE + sample index: a prime larger than any n, so the
 # samples of one seed never collide with those of another (seed s, sample i != seed s', sample i').
 SEED_STRIDE = 1_000_003
+# Turn k > 0 of a seeded episode draws from a generator whose seed is offset by k * TURN_STRIDE (a turn is a new
+# engine request; without the offset every turn would replay the first turn's random stream).
+TURN_STRIDE = 2**40
 
 
 class Engine:
@@ -85,7 +105,11 @@ class Engine:
         self._rerun: list[Sample] = []  # samples whose engine request failed; re-run by a waiting caller
         self._sampling_logprobs: dict[str, list[float]] = {}
         self._row_specs: dict[str, RowSpec] = {}
+        self._stepping: set[Sample] = set()  # episodes whose environment step is running
         self._updating = False
+        self.num_prompt_tokens = 0  # every engine request's prompt tokens, and those served by the prefix cache
+        self.num_reused_tokens = 0
+        self._stepper = Stepper(config.env_threads)
         self._generator = torch.Generator(device=model.device).manual_seed(config.seed)
         self._manager = self._build_manager()
 
@@ -102,6 +126,7 @@ class Engine:
         manager = RolloutManager(self.model, gen_config, cb_config)  # also accepts rollout_paged
         manager.output_router = RolloutRouter(self._on_output)
         manager.batch_processor = manager._create_batch_processor()
+        manager.batch_processor.scheduler.on_prefix_hit = self._on_prefix_hit
         RolloutModelRunner.adopt(manager.batch_processor.model_runner, self._row_spec, self._record,
                                  self._generator)
         self.max_request_tokens = infer_max_single_request_tokens(manager.batch_processor.cache)
@@ -135,6 +160,7 @@ class Engine:
         return self._manager.is_running() and status.fatal_error is None
 
     def close(self) -> None:
+        self._stepper.shutdown()
         manager, self._manager = self._manager, None
         if manager is not None and manager._generation_thread is not None:
             manager.stop(block=True, timeout=30)
@@ -166,7 +192,9 @@ class Engine:
         seed = sample.params.seed
         if seed is None:
             return RowSpec(sample.params)
-        gen = torch.Generator(device=self.model.device).manual_seed(seed * SEED_STRIDE + sample.sample_index)
+        turn = 0 if sample.episode is None else sample.episode.num_turns
+        gen = torch.Generator(device=self.model.device).manual_seed(seed * SEED_STRIDE + sample.sample_index
+                                                                    + turn * TURN_STRIDE)
         return RowSpec(sample.params, gen)
 
     def _record(self, request_ids: list[str], values: list[float]) -> None:
@@ -181,7 +209,10 @@ class Engine:
             if sample is None:  # cancelled by an abort fence, or already re-run
                 return
             if output.status == RequestStatus.FINISHED and output.error is None:
-                sample.row = self._make_row(sample, output, sampling)
+                if sample.episode is None:
+                    sample.row = self._make_row(sample, output, sampling)
+                else:
+                    self._step(sample, output, sampling)
             else:
                 sample.error = output.error or f"request ended with status {output.status!r}"
                 self._rerun.append(sample)
@@ -189,11 +220,54 @@ class Engine:
 
     def _make_row(self, sample: Sample, output: GenerationOutput, sampling: list[float]) -> Row:
         tokens = list(output.generated_tokens)
-        if len(output.logprobs) != len(tokens) or len(sampling) < len(tokens):
-            raise RuntimeError(f"rollout: {len(tokens)} tokens but {len(output.logprobs)}/{len(sampling)} logprobs")
+        _check_logprobs(tokens, output.logprobs, sampling)
         finish = "stop" if tokens and tokens[-1] in sample.stop_ids else "length"
         return Row(sample.prompt_index, sample.sample_index, sample.prompt_ids, tokens, list(output.logprobs),
                    sampling[: len(tokens)], finish, sample.version)
+
+    def _on_prefix_hit(self, request_id: str, num_tokens: int) -> None:
+        with self._cond:
+            self.num_reused_tokens += num_tokens
+            sample = self._pending.get(request_id)
+            if sample is not None:
+                sample.call.reused_tokens += num_tokens
+
+    # ------------------------------------------------------------------ episodes
+    def _step(self, sample: Sample, output: GenerationOutput, sampling: list[float]) -> None:
+        """A model turn of an episode finished (engine thread, lock held): record it and start its environment
+        step off this thread."""
+        tokens = list(output.generated_tokens)
+        _check_logprobs(tokens, output.logprobs, sampling)
+        episode = sample.episode
+        episode.add_turn(tokens, list(output.logprobs), sampling[: len(tokens)], sample.version)
+        self._stepping.add(sample)
+        epoch = episode.epoch
+        self._stepper.step(episode, sample.prompt_index, sample.sample_index, episode.timeout,
+                           lambda turn, error: self._on_step(sample, epoch, turn, error))
+
+    def _on_step(self, sample: Sample, epoch: int, turn, error: BaseException | None) -> None:
+        """An environment step returned (stepper thread): submit the episode's next turn, or end it."""
+        with self._cond:
+            episode = sample.episode
+            if episode.epoch != epoch or sample not in self._stepping:  # reset or abandoned meanwhile
+                return
+            self._stepping.discard(sample)
+            if sample.call.abandoned:
+                self._stepper.close_env(episode.env)
+                return
+            if episode.after_step(turn, error):
+                self._submit([sample])
+            else:
+                self._end_episode(sample)
+            self._cond.notify_all()
+
+    def _end_episode(self, sample: Sample) -> None:
+        episode = sample.episode
+        self._stepper.close_env(episode.env)
+        sample.row = Row(sample.prompt_index, sample.sample_index, sample.prompt_ids, list(episode.tokens),
+                         list(episode.logprobs), list(episode.sampling_logprobs), episode.finish_reason,
+                         min(v for v in episode.token_versions if v >= 0), action_mask=list(episode.action_mask),
+                         reward=episode.reward, num_turns=episode.num_turns, error=episode.error)
 
     # ------------------------------------------------------------------ submission and waiting
     def run(self, samples_by_prompt: list[list[Sample]], call: Call, timeout: float | None = None) -> Call:
@@ -229,8 +303,11 @@ class Engine:
             sample.attempts += 1
             self._pending[request_id if i == 0 else f"{request_id}{CHILD_SEPARATOR}{i - 1}"] = sample
         self._row_specs[request_id] = self._make_row_spec(head)
-        state = RequestState(request_id=request_id, initial_tokens=list(head.prompt_ids), num_children=len(group) - 1,
-                             max_new_tokens=head.params.max_new_tokens, eos_token_id=list(head.stop_ids))
+        context = head.context()
+        self.num_prompt_tokens += len(context)
+        head.call.prompt_tokens += len(context)
+        state = RequestState(request_id=request_id, initial_tokens=list(context), num_children=len(group) - 1,
+                             max_new_tokens=head.budget(), eos_token_id=list(head.stop_ids))
         self._manager.input_queue.put(state)
         self._manager._wake_up_loop.set()
 
@@ -254,9 +331,14 @@ class Engine:
             self._cond.notify_all()
 
     def abort_call(self, call: Call) -> None:
-        """Cancel whatever of the call is still in the engine, and drop its pending re-runs."""
+        """Cancel whatever of the call is still in the engine, drop its pending re-runs and its environment steps'
+        outcomes, and close its episodes' environments."""
         with self._cond:
+            call.abandoned = True
             self._rerun = [s for s in self._rerun if s.call is not call]
+            for sample in [s for s in self._stepping if s.call is call]:
+                self._stepping.discard(sample)
+                self._stepper.close_env(sample.episode.env)
             for request_id, sample in list(self._pending.items()):
                 if sample.call is call:
                     self._pending.pop(request_id)
@@ -294,17 +376,22 @@ class Engine:
             while True:
                 self._heal()
                 with self._cond:
-                    if self._cond.wait_for(lambda: not self._pending and not self._rerun, timeout=0.05):
+                    if self._cond.wait_for(lambda: not self._pending and not self._rerun and not self._stepping,
+                                           timeout=0.05):
                         return []
         with self._cond:
-            aborted = list(self._pending.values()) + self._rerun
+            aborted = list(self._pending.values()) + self._rerun + list(self._stepping)
             for request_id in self._pending:
                 self._manager.cancel_request(request_id)
             self._pending.clear()
             self._rerun = []
+            self._stepping.clear()
             aborted = [s for s in aborted if s.row is None]
             for sample in aborted:
                 sample.error = "aborted by a weight update"
+                if sample.episode is not None:  # re-run from scratch, with a fresh environment
+                    self._stepper.close_env(sample.episode.env)
+                    sample.episode.reset()
             self.num_aborted += len(aborted)
             return aborted
 
@@ -315,3 +402,8 @@ class Engine:
         for allocator in cache.cache_allocators.values():
             allocator.ledger.hash_to_block.clear()
             allocator.ledger.block_to_hash.clear()
+
+
+def _check_logprobs(tokens: list[int], logprobs: list[float], sampling: list[float]) -> None:
+    if len(logprobs) != len(tokens) or len(sampling) < len(tokens):
+        raise RuntimeError(f"rollout: {len(tokens)} tokens but {len(logprobs)}/{len(sampling)} logprobs")

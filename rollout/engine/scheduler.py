@@ -7,6 +7,8 @@ children become separate requests that share the cached prefix blocks instead.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from transformers.generation.continuous_batching.requests import RequestStatus
 from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPPING, FIFOScheduler
 
@@ -15,7 +17,19 @@ CHILD_SEPARATOR = "__child#"
 
 
 class RolloutScheduler(FIFOScheduler):
-    """FIFO scheduling, minus the 1-token fork crash."""
+    """FIFO scheduling, minus the 1-token fork crash; reports every prefix-cache hit to `on_prefix_hit(request_id,
+    num_tokens)` (set by the engine), so prefilled and reused tokens can be counted."""
+
+    on_prefix_hit: Callable[[str, int], None] | None = None
+
+    def _infer_request_tokens(self, state, request_ids_to_remove_from_waiting) -> list[int]:
+        was_pending = state.status == RequestStatus.PENDING and not state.is_cpu_offloaded
+        tokens = super()._infer_request_tokens(state, request_ids_to_remove_from_waiting)
+        # a hit moves the request out of PENDING with its position advanced past the cached tokens, once
+        if was_pending and state.status != RequestStatus.PENDING and state.position_offset > 0 \
+                and self.on_prefix_hit is not None:
+            self.on_prefix_hit(state.request_id, state.position_offset)
+        return tokens
 
     def _schedule_request(self, state, request_tokens, token_budget, request_ids_to_remove_from_waiting) -> None:
         if state.num_children > 0 and len(request_tokens) <= 1 and state.status != RequestStatus.DECODING:

@@ -1,0 +1,78 @@
+"""Stepper: runs environment steps off the engine thread, so no episode ever waits for another.
+
+One event loop on its own daemon thread drives every step: an `async def step` runs on the loop; a plain `step` (and
+`make_env`, on an episode's first step) runs on a thread pool. Each step is bounded by `timeout` seconds; the
+outcome goes to a callback (on the loop thread) with either the step's result or the exception it raised. A
+timed-out `async` step is cancelled; a timed-out sync step cannot be interrupted in Python, so its pool thread stays
+busy until the function returns (its result is then dropped): the pool is sized for that (`WorkerConfig.env_threads`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from .episode import Episode
+
+StepCallback = Callable[[Any, "BaseException | None"], None]
+
+
+class Stepper:
+    def __init__(self, num_threads: int) -> None:
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="rollout-env")
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="rollout-env-loop")
+        self._thread.start()
+
+    def step(self, episode: Episode, prompt_index: int, sample_index: int, timeout: float | None,
+             callback: StepCallback) -> None:
+        """Start one step of `episode` on its last model turn; `callback(turn, error)` gets the outcome."""
+        asyncio.run_coroutine_threadsafe(self._run(episode, prompt_index, sample_index, timeout, callback), self._loop)
+
+    def close_env(self, env: Any) -> None:
+        """Call `env.close()` (if defined) on the pool; errors there end nothing."""
+        close = getattr(env, "close", None)
+        if callable(close):
+            self._pool.submit(_quietly, close)
+
+    def shutdown(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, episode: Episode, prompt_index: int, sample_index: int, timeout: float | None,
+                   callback: StepCallback) -> None:
+        try:
+            turn = await asyncio.wait_for(self._call(episode, prompt_index, sample_index), timeout)
+        except asyncio.TimeoutError:
+            callback(None, TimeoutError(f"no answer within env_timeout={timeout}s"))
+        except BaseException as error:  # the episode's failure, not the engine's
+            callback(None, error)
+        else:
+            callback(turn, None)
+
+    async def _call(self, episode: Episode, prompt_index: int, sample_index: int) -> Any:
+        loop = asyncio.get_running_loop()
+        if episode.env is None:
+            epoch = episode.epoch
+            env = await loop.run_in_executor(self._pool, episode.factory, prompt_index, sample_index)
+            if episode.epoch != epoch:  # the episode was reset meanwhile: this environment belongs to nobody
+                self.close_env(env)
+                raise asyncio.CancelledError
+            episode.env = env
+        step = episode.env.step
+        ids = list(episode.last_turn)
+        if inspect.iscoroutinefunction(step):
+            return await step(ids)
+        result = await loop.run_in_executor(self._pool, step, ids)
+        return await result if inspect.isawaitable(result) else result
+
+
+def _quietly(fn: Callable[[], Any]) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - a failing close must not reach the engine
+        pass
