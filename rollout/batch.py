@@ -31,6 +31,8 @@ class Row:
     reward: float = 0.0
     num_turns: int = 1
     error: str = ""
+    prompt_tokens: int = 0  # tokens the row's engine requests were prompted with (n samples: on sample 0's row)
+    reused_tokens: int = 0  # of those, served by the prefix cache
 
 
 @dataclass(frozen=True)
@@ -76,8 +78,7 @@ class RolloutBatch:
     tokenizer: Any = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def from_rows(cls, rows: Sequence[Row], pad_token_id: int = 0, tokenizer: Any = None,
-                  stats: dict[str, int] | None = None) -> "RolloutBatch":
+    def from_rows(cls, rows: Sequence[Row], pad_token_id: int = 0, tokenizer: Any = None) -> "RolloutBatch":
         width = max((len(r.completion_ids) for r in rows), default=0)
         num = len(rows)
         ids = torch.full((num, width), pad_token_id, dtype=torch.long)
@@ -107,7 +108,7 @@ class RolloutBatch:
             rewards=torch.tensor([r.reward for r in rows], dtype=torch.float32),
             num_turns=torch.tensor([r.num_turns for r in rows], dtype=torch.long),
             errors=[r.error for r in rows],
-            stats=dict(stats or {}),
+            stats=_stats(rows),
             tokenizer=tokenizer,
         )
 
@@ -131,8 +132,14 @@ class RolloutBatch:
                 sampling_logprobs=self.sampling_logprobs[i, :length].tolist(),
                 finish_reason=self.finish_reason[i], policy_version=int(self.policy_version[i]),
                 action_mask=self.action_mask[i, :length].tolist(), reward=float(self.rewards[i]),
-                num_turns=int(self.num_turns[i]), error=self.errors[i]))
+                num_turns=int(self.num_turns[i]), error=self.errors[i], **self._row_stats(i)))
         return out
+
+    def _row_stats(self, i: int) -> dict[str, int]:
+        """The call's token counts travel on its first row, so merged batches add up."""
+        if i > 0:
+            return {}
+        return {name: self.stats.get(name, 0) for name in ("prompt_tokens", "reused_tokens")}
 
     def completion_token_lists(self) -> list[list[int]]:
         return [self.completion_ids[i, : int(n)].tolist() for i, n in enumerate(self.completion_lengths)]
@@ -152,3 +159,9 @@ class RolloutBatch:
             raise ValueError("tokenizer=None is invalid: decoding needs a tokenizer. Fix: pass tokenizer=... here or "
                              "to RolloutWorker.")
         return tok
+
+
+def _stats(rows: Sequence[Row]) -> dict[str, int]:
+    prompt = sum(r.prompt_tokens for r in rows)
+    reused = sum(r.reused_tokens for r in rows)
+    return {"prompt_tokens": prompt, "reused_tokens": reused, "prefill_tokens": prompt - reused}

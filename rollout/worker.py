@@ -97,9 +97,7 @@ class RolloutWorker:
                 self.engine.run(groups, call, timeout=timeout)
         rows = sorted((s.row for s in call.samples), key=lambda r: (r.prompt_index, r.sample_index))
         pad = self.tokenizer.pad_token_id if self.tokenizer is not None and self.tokenizer.pad_token_id is not None else 0
-        stats = {"prompt_tokens": call.prompt_tokens, "reused_tokens": call.reused_tokens,
-                 "prefill_tokens": call.prompt_tokens - call.reused_tokens}
-        return RolloutBatch.from_rows(rows, pad_token_id=pad, tokenizer=self.tokenizer, stats=stats)
+        return RolloutBatch.from_rows(rows, pad_token_id=pad, tokenizer=self.tokenizer)
 
     def _prepare(self, prompts, sampling, chat_template, spec: EpisodeSpec | None = None) -> list[list[Sample]]:
         max_context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)

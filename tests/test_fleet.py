@@ -248,6 +248,35 @@ def test_score_splits_pairs_across_actors_in_input_order(fleet, local):
         assert torch.allclose(got, reference_logprobs(local, prompt, completion, 0.8)[0], atol=TOL)
 
 
+def test_episodes_run_on_the_actors_with_the_calls_own_prompt_indices(fleet, local):
+    from rollout import Turn
+
+    class Counter:  # defined here so that Ray pickles it by value to the actors
+        def __init__(self, prompt_index, sample_index):
+            self.prompt_index, self.turns = prompt_index, 0
+
+        def step(self, completion_ids):
+            self.turns += 1
+            obs = [10 + self.prompt_index, 11, 12 + self.turns]
+            return Turn(obs, reward=float(self.prompt_index), done=self.turns == 1 + self.prompt_index % 3)
+
+    prompts = [prompt_of(n, seed) for seed, n in enumerate([6, 20, 3, 33, 11, 8])]
+    params = SamplingParams(n=2, max_new_tokens=5, ignore_eos=True)
+    batch = fleet.generate(prompts, params, env=Counter, max_turns=4)
+    assert batch.prompt_index.tolist() == [i for i in range(6) for _ in range(2)]
+    assert batch.num_turns.tolist() == [1 + i % 3 for i in range(6) for _ in range(2)]
+    assert batch.rewards.tolist() == [float(i * (1 + i % 3)) for i in range(6) for _ in range(2)]
+    assert batch.finish_reason == ["done"] * 12 and batch.stats["reused_tokens"] > 0
+    for r in range(len(batch)):
+        n = int(batch.completion_lengths[r])
+        full, _ = reference_logprobs(local, prompts[int(batch.prompt_index[r])], batch.completion_ids[r, :n].tolist())
+        action = batch.action_mask[r, :n]
+        assert torch.allclose(batch.logprobs[r, :n][action], full[action], atol=TOL)
+        assert int((~action).sum()) == 3 * (int(batch.num_turns[r]) - 1)
+    with pytest.raises(ValueError, match="max_turns"):
+        fleet.generate(prompts, params, env=Counter, max_turns=0)
+
+
 def test_an_actor_killed_mid_generate_loses_no_row_and_comes_back_on_current_weights(fleet, local):
     victim, killed = fleet.actors[0], threading.Event()
 

@@ -54,6 +54,8 @@ class Sample:
     row: Row | None = None
     error: str | None = None
     episode: Episode | None = None
+    prompt_tokens: int = 0  # tokens its engine requests were prompted with (forked samples: on the head sample)
+    reused_tokens: int = 0  # of those, tokens served by the prefix cache instead of prefilled
 
     def context(self) -> list[int]:
         """What the next engine request is prompted with: the prompt, plus an episode's history so far."""
@@ -68,13 +70,11 @@ class Sample:
 
 @dataclass
 class Call:
-    """The samples of one generate call, and what its requests prefilled and reused from the prefix cache."""
+    """The samples of one generate call."""
 
     samples: list[Sample] = field(default_factory=list)
     failure: str | None = None
     abandoned: bool = False  # timed out or interrupted: late outputs and environment steps are dropped
-    prompt_tokens: int = 0  # tokens its engine requests were prompted with (each turn of an episode counts)
-    reused_tokens: int = 0  # of those, tokens served from the prefix cache instead of prefilled
 
     def __post_init__(self) -> None:
         for sample in self.samples:
@@ -223,14 +223,15 @@ class Engine:
         _check_logprobs(tokens, output.logprobs, sampling)
         finish = "stop" if tokens and tokens[-1] in sample.stop_ids else "length"
         return Row(sample.prompt_index, sample.sample_index, sample.prompt_ids, tokens, list(output.logprobs),
-                   sampling[: len(tokens)], finish, sample.version)
+                   sampling[: len(tokens)], finish, sample.version, prompt_tokens=sample.prompt_tokens,
+                   reused_tokens=sample.reused_tokens)
 
     def _on_prefix_hit(self, request_id: str, num_tokens: int) -> None:
         with self._cond:
             self.num_reused_tokens += num_tokens
             sample = self._pending.get(request_id)
             if sample is not None:
-                sample.call.reused_tokens += num_tokens
+                sample.reused_tokens += num_tokens
 
     # ------------------------------------------------------------------ episodes
     def _step(self, sample: Sample, output: GenerationOutput, sampling: list[float]) -> None:
@@ -267,7 +268,8 @@ class Engine:
         sample.row = Row(sample.prompt_index, sample.sample_index, sample.prompt_ids, list(episode.tokens),
                          list(episode.logprobs), list(episode.sampling_logprobs), episode.finish_reason,
                          min(v for v in episode.token_versions if v >= 0), action_mask=list(episode.action_mask),
-                         reward=episode.reward, num_turns=episode.num_turns, error=episode.error)
+                         reward=episode.reward, num_turns=episode.num_turns, error=episode.error,
+                         prompt_tokens=sample.prompt_tokens, reused_tokens=sample.reused_tokens)
 
     # ------------------------------------------------------------------ submission and waiting
     def run(self, samples_by_prompt: list[list[Sample]], call: Call, timeout: float | None = None) -> Call:
@@ -305,7 +307,7 @@ class Engine:
         self._row_specs[request_id] = self._make_row_spec(head)
         context = head.context()
         self.num_prompt_tokens += len(context)
-        head.call.prompt_tokens += len(context)
+        head.prompt_tokens += len(context)
         state = RequestState(request_id=request_id, initial_tokens=list(context), num_children=len(group) - 1,
                              max_new_tokens=head.budget(), eos_token_id=list(head.stop_ids))
         self._manager.input_queue.put(state)

@@ -23,6 +23,7 @@ import torch
 
 from .collective import Bucket, WeightGroup
 from ..config import WorkerConfig
+from ..env import EpisodeSpec
 from ..worker import RolloutWorker
 
 
@@ -54,11 +55,17 @@ class FleetActor:
                     torch_threads=torch.get_num_threads())
 
     # ------------------------------------------------------------------ work
-    def generate(self, prompts: list[list[int]], sampling: list) -> list[list]:
-        """Rows of each prompt of the chunk, in the chunk's order; prompt_index is local to the chunk."""
+    def generate(self, prompts: list[list[int]], sampling: list, spec: EpisodeSpec | None = None,
+                 indices: list[int] | None = None) -> list[list]:
+        """Rows of each prompt of the chunk, in the chunk's order; prompt_index is local to the chunk. `indices`
+        are the chunk's prompts' indices in the fleet's call, which an episode's make_env is called with."""
         self.busy = True
         try:
-            batch = self.worker.generate(prompts, sampling=sampling)
+            episodes = {} if spec is None else dict(env=_Reindexed(spec.env, indices or list(range(len(prompts)))),
+                                                    max_turns=spec.max_turns,
+                                                    max_episode_tokens=spec.max_episode_tokens,
+                                                    env_timeout=spec.env_timeout)
+            batch = self.worker.generate(prompts, sampling=sampling, **episodes)
         finally:
             self.busy = False
         grouped: list[list] = [[] for _ in prompts]
@@ -108,6 +115,16 @@ class FleetActor:
     def close(self) -> None:
         self.group = None
         self.worker.close()
+
+
+class _Reindexed:
+    """make_env called with the fleet call's prompt index rather than the chunk's."""
+
+    def __init__(self, make_env, indices: list[int]) -> None:
+        self.make_env, self.indices = make_env, indices
+
+    def __call__(self, prompt_index: int, sample_index: int):
+        return self.make_env(self.indices[prompt_index], sample_index)
 
 
 def to_shared(items) -> dict[str, tuple[Any, torch.dtype]]:

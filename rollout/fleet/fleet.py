@@ -41,6 +41,7 @@ from ..batch import RolloutBatch
 from .collective import WeightGroup, free_port, layout
 from ..config import WorkerConfig
 from .dispatch import Dispatcher
+from ..env import EnvFactory, EpisodeSpec
 from ..errors import invalid
 from ..prompts import prepare_call
 from .resources import FleetResources
@@ -93,14 +94,21 @@ class RolloutFleet:
         return self.version
 
     def generate(self, prompts: Sequence[Any], sampling=None, chat_template: bool = False,
-                 timeout: float | None = None) -> RolloutBatch:
-        """RolloutWorker.generate across the fleet: validated here, rows prompt-major in input order."""
+                 timeout: float | None = None, env: EnvFactory | None = None, max_turns: int = 1,
+                 max_episode_tokens: int | None = None, env_timeout: float | None = 300.0) -> RolloutBatch:
+        """RolloutWorker.generate across the fleet: validated here, rows prompt-major in input order. `env` travels
+        to the actors (it must pickle) and is called there with the call's own prompt indices."""
+        spec = EpisodeSpec.of(env, max_turns, max_episode_tokens, env_timeout)
         token_lists, params = prepare_call(prompts, sampling, self.tokenizer, chat_template, self.vocab_size,
                                            self.max_context, self.max_request_tokens)
-        costs = [len(ids) + p.n * p.max_new_tokens for ids, p in zip(token_lists, params)]
+        limit = min(self.max_context or self.max_request_tokens, self.max_request_tokens)
+        budgets = [p.max_new_tokens if spec is None else spec.budget(len(ids), limit, f"prompt {i}")
+                   for i, (ids, p) in enumerate(zip(token_lists, params))]
+        costs = [len(ids) + p.n * min(b, p.max_new_tokens * (1 if spec is None else spec.max_turns))
+                 for ids, p, b in zip(token_lists, params, budgets)]
 
         def submit(actor, jobs: list[int]):
-            return actor.generate.remote([token_lists[j] for j in jobs], [params[j] for j in jobs])
+            return actor.generate.remote([token_lists[j] for j in jobs], [params[j] for j in jobs], spec, jobs)
 
         with self._lock:
             grouped = self._scatter(costs, submit, timeout, [p.n for p in params], "generate", ("prompts", "rows"))
