@@ -5,7 +5,8 @@ from .config import WorkerConfig
 from .params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["FleetResources", "RolloutBatch", "RolloutFleet", "RolloutWorker", "SamplingParams", "WorkerConfig", "score"]
+__all__ = ["FleetResources", "RolloutBatch", "RolloutFleet", "RolloutWorker", "SamplingParams", "ToolEnvironment",
+           "WorkerConfig", "score"]
 
 
 def __getattr__(name: str):  # heavy imports (transformers, Ray) only when used: `rollout --help` stays instant
@@ -21,6 +22,10 @@ def __getattr__(name: str):  # heavy imports (transformers, Ray) only when used:
         from .fleet.resources import FleetResources
 
         return FleetResources
+    if name == "ToolEnvironment":
+        from .tools import ToolEnvironment
+
+        return ToolEnvironment
     if name == "score":
         from .scoring import score
 
