@@ -6,8 +6,8 @@ from .env import Environment, EpisodeSpec, Turn
 from .params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["Environment", "EpisodeSpec", "FleetResources", "RolloutBatch", "RolloutFleet", "RolloutWorker", "SamplingParams", "Turn", "WorkerConfig",
-           "score"]
+__all__ = ["Environment", "EpisodeSpec", "FleetResources", "RolloutBatch", "RolloutFleet", "RolloutWorker",
+           "SamplingParams", "ToolEnvironment", "Turn", "WorkerConfig", "score"]
 
 
 def __getattr__(name: str):  # heavy imports (transformers, Ray) only when used: `rollout --help` stays instant
@@ -23,6 +23,10 @@ def __getattr__(name: str):  # heavy imports (transformers, Ray) only when used:
         from .fleet.resources import FleetResources
 
         return FleetResources
+    if name == "ToolEnvironment":
+        from .tools import ToolEnvironment
+
+        return ToolEnvironment
     if name == "score":
         from .scoring import score
 

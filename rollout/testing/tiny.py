@@ -43,19 +43,23 @@ def _corpus(num_lines: int = 4000, seed: int = 0) -> list[str]:
     return lines
 
 
-def build_tokenizer(vocab_size: int, seed: int = 0):
-    """Train a byte-level BPE tokenizer in-process and wrap it as a `PreTrainedTokenizerFast`."""
+def build_tokenizer(vocab_size: int, seed: int = 0, extra_special_tokens: tuple[str, ...] = ()):
+    """Train a byte-level BPE tokenizer in-process and wrap it as a `PreTrainedTokenizerFast`.
+
+    `extra_special_tokens` join the special tokens before training, so every id stays below `vocab_size`.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+    specials = SPECIAL_TOKENS + list(extra_special_tokens)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_corpus(seed=seed), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
-                                   pad_token="<pad>", additional_special_tokens=SPECIAL_TOKENS[3:])
+                                   pad_token="<pad>", additional_special_tokens=specials[3:])
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
