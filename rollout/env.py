@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from .errors import check_int, invalid
 
@@ -106,6 +106,11 @@ class EpisodeSpec:
             raise invalid(field_name, value, "only applies to multi-turn episodes", "pass env=make_env, or leave "
                           "max_turns=1 and max_episode_tokens=None")
         return None
+
+    def kwargs(self) -> dict[str, Any]:
+        """The `generate` keywords that give this spec back."""
+        return dict(env=self.env, max_turns=self.max_turns, max_episode_tokens=self.max_episode_tokens,
+                    env_timeout=self.env_timeout)
 
     def budget(self, prompt_len: int, limit: int, where: str) -> int:
         """The completion budget of an episode whose prompt has `prompt_len` tokens, when one request may hold

@@ -101,6 +101,27 @@ def test_gae_with_gamma_lam_one_is_return_minus_value():
     torch.testing.assert_close(ret, t([[1.0, 1.0, 1.0]]))
 
 
+def test_gae_skips_observation_holes_inside_a_row_as_if_they_were_absent():
+    # a 2-turn episode: action, action, [observation, observation], action, then padding
+    rewards = t([[0.0, 0.0, 5.0, 5.0, 1.0, 0.0]])
+    values = t([[0.5, 0.6, 9.0, 9.0, 0.7, 0.0]])
+    mask = torch.tensor([[True, True, False, False, True, False]])
+    adv, ret = losses.gae(rewards, values, mask, gamma=0.9, lam=0.5)
+    dense_adv, dense_ret = losses.gae(t([[0.0, 0.0, 1.0]]), t([[0.5, 0.6, 0.7]]), torch.ones(1, 3, dtype=torch.bool),
+                                      gamma=0.9, lam=0.5)
+    torch.testing.assert_close(adv[0, [0, 1, 4]], dense_adv[0])
+    torch.testing.assert_close(ret[0, [0, 1, 4]], dense_ret[0])
+    assert adv[0, [2, 3, 5]].tolist() == [0.0, 0.0, 0.0] and ret[0, [2, 3, 5]].tolist() == [0.0, 0.0, 0.0]
+    # by hand: delta2 = 1 - .7 = .3; delta1 = .9*.7 - .6 = .03 -> A1 = .03 + .45*.3 = .165
+    assert abs(float(adv[0, 1]) - 0.165) < 1e-6
+
+
+def test_kl_shaped_rewards_put_the_score_on_the_last_action_token_of_an_episode():
+    mask = torch.tensor([[True, False, True, False, False]])
+    got = losses.kl_shaped_rewards(t([2.0]), t([[-1.0] * 5]), None, mask, kl_coef=0.0)
+    torch.testing.assert_close(got, t([[0.0, 0.0, 2.0, 0.0, 0.0]]))
+
+
 def test_kl_shaped_rewards_put_the_score_on_the_last_real_token():
     logp = t([[-1.0, -2.0, -3.0], [-1.0, -1.0, 0.0]])
     ref = t([[-1.5, -2.0, -2.0], [-1.0, -2.0, 0.0]])

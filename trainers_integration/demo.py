@@ -7,9 +7,16 @@ few dozen steps. Nothing is downloaded: the model and its tokenizer are built lo
 Each step prints reward, KL to the initial policy, the train/rollout logprob gap (the health metric of the weight
 sync: ~1e-6 here, because trainer and worker share the parameters) and rollout tokens/s. The run saves a PNG of
 reward per step and per-step metrics as JSON lines, prints `reward: <first> -> <last>` (first step; mean of the
-last 3 steps) and exits 1 if the reward did not rise by at least `--min-gain`.
+last tenth of the steps) and exits 1 if the reward did not rise by at least `--min-gain`.
 
     rollout demo --steps 40 --seed 0          # or: python -m trainers_integration.demo
+
+With `--env recall` the policy is trained on two-turn episodes (trainers_integration/envs.py): the environment's
+observation after turn 1 holds a secret digit, and turn 2 earns the fraction of its tokens equal to it. A policy
+blind to observations cannot average more than 0.1, so a reward that climbs past it shows the multi-turn path
+working end to end (observation tokens in the context, masked out of the loss).
+
+    rollout demo --env recall
 """
 
 from __future__ import annotations
@@ -23,9 +30,10 @@ from pathlib import Path
 
 import torch
 
-from rollout import RolloutWorker, WorkerConfig
+from rollout import EpisodeSpec, RolloutWorker, WorkerConfig
 from rollout.testing import build_tiny_model, load_tiny_model
 
+from .envs import BLIND_CEILING, ENVS
 from .grpo import GRPOConfig, GRPOTrainer, format_metrics
 
 TARGET = "7"
@@ -38,16 +46,27 @@ WORDS = ("the a one two three four five six seven eight nine ten plus minus what
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="rollout demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=40, help="GRPO steps (~1 minute on 2 CPU cores)")
+    parser.add_argument("--steps", type=int, default=None, help="GRPO steps (default 40: ~20 s on 2 CPU cores; 300 "
+                        "with --env: ~1.5 min)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model, the prompts and the sampling")
     parser.add_argument("--out", default="runs/demo", help="run directory: the tiny model and metrics.jsonl")
     parser.add_argument("--plot", default="runs/demo_reward.png", help="PNG of reward per step ('' to skip)")
-    parser.add_argument("--lr", type=float, default=5e-3, help="AdamW learning rate (high: a tiny model)")
+    parser.add_argument("--lr", type=float, default=None, help="AdamW learning rate (high: a tiny model; default "
+                        "5e-3, 3e-3 with --env)")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
-    parser.add_argument("--generations", type=int, default=8, help="samples per prompt (the GRPO group)")
-    parser.add_argument("--max-new-tokens", type=int, default=16, help="completion budget")
+    parser.add_argument("--generations", type=int, default=None, help="samples per prompt (the GRPO group; default "
+                        "8, 16 with --env)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="completion budget (default 16; per "
+                        "turn with --env: 4)")
+    parser.add_argument("--env", choices=sorted(ENVS), default=None, help="train on multi-turn episodes of this "
+                        "environment instead of the single-turn task")
     parser.add_argument("--min-gain", type=float, default=0.3, help="exit 1 unless last - first reward >= this")
     args = parser.parse_args(argv)
+    defaults = dict(steps=300, lr=3e-3, generations=16, max_new_tokens=4) if args.env else \
+        dict(steps=40, lr=5e-3, generations=8, max_new_tokens=16)
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.steps < 1:
         parser.error(f"--steps={args.steps} is invalid: run at least 1 step")
     return args
@@ -76,7 +95,7 @@ def target_reward(target_id: int):
     return reward
 
 
-def save_plot(rewards: list[float], path: str, title: str) -> None:
+def save_plot(rewards: list[float], path: str, title: str, blind: float | None = None) -> None:
     try:
         import matplotlib
     except ImportError as exc:
@@ -88,6 +107,9 @@ def save_plot(rewards: list[float], path: str, title: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(range(1, len(rewards) + 1), rewards, marker="o", markersize=3)
+    if blind is not None:
+        ax.axhline(blind, color="grey", linestyle="--", label="best policy blind to observations")
+        ax.legend(loc="upper left")
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("mean reward")
     ax.set_ylim(-0.02, 1.02)
@@ -105,25 +127,35 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     model, tokenizer = load_tiny_model(build_tiny_model(out / "model", seed=args.seed))
     ref = copy.deepcopy(model).eval().requires_grad_(False)
-    target_id = tokenizer.convert_tokens_to_ids(TARGET)
     config = GRPOConfig(num_generations=args.generations, max_new_tokens=args.max_new_tokens, temperature=1.0)
-    print(f"demo: GRPO on a tiny {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter policy, reward = "
-          f"fraction of tokens that are {TARGET!r}; {args.steps} steps x {args.prompts} prompts x "
-          f"{args.generations} samples, lr {args.lr}, seed {args.seed}", flush=True)
+    if args.env:
+        make_env = ENVS[args.env](tokenizer, args.seed)
+        reward_fn, episodes = None, EpisodeSpec(make_env, max_turns=2)
+        task = f"{args.env} episodes (2 turns; a policy blind to observations earns <= {BLIND_CEILING:.1f})"
+    else:
+        make_env, reward_fn, episodes = None, target_reward(tokenizer.convert_tokens_to_ids(TARGET)), None
+        task = f"reward = fraction of tokens that are {TARGET!r}"
+    print(f"demo: GRPO on a tiny {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter policy, {task}; "
+          f"{args.steps} steps x {args.prompts} prompts x {args.generations} samples, lr {args.lr}, seed {args.seed}",
+          flush=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     rewards = []
     with RolloutWorker(model, WorkerConfig(seed=args.seed), tokenizer=tokenizer) as worker, \
             open(out / "metrics.jsonl", "w") as log:
-        trainer = GRPOTrainer(model, optimizer, target_reward(target_id), make_prompts(tokenizer, args.prompts,
-                              args.seed), worker, config, ref_model=ref)
-        for _ in range(args.steps):
+        trainer = GRPOTrainer(model, optimizer, reward_fn, make_prompts(tokenizer, args.prompts, args.seed), worker,
+                              config, ref_model=ref, episodes=episodes)
+        for step in range(args.steps):
+            if make_env is not None:
+                make_env.step = step  # a new secret per step
             metrics = trainer.step()
             rewards.append(metrics["reward_mean"])
             log.write(json.dumps(metrics) + "\n")
             print(format_metrics(metrics), flush=True)
-    first, last = rewards[0], sum(rewards[-3:]) / len(rewards[-3:])
+    tail = rewards[-max(3, len(rewards) // 10):]  # the last tenth of the run (at least 3 steps)
+    first, last = rewards[0], sum(tail) / len(tail)
     if args.plot:
-        save_plot(rewards, args.plot, f"GRPO through a shared RolloutWorker (seed {args.seed})")
+        title = f"GRPO on {args.env} episodes" if args.env else "GRPO through a shared RolloutWorker"
+        save_plot(rewards, args.plot, f"{title} (seed {args.seed})", BLIND_CEILING if args.env else None)
         print(f"plot: {args.plot}")
     print(f"wall time: {time.perf_counter() - start:.1f}s")
     print(f"reward: {first:.3f} -> {last:.3f}")

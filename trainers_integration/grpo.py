@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from rollout import RolloutBatch, SamplingParams
+from rollout import EpisodeSpec, RolloutBatch, SamplingParams
 
 from . import losses
 from .forward import completion_logprobs, pack
@@ -101,23 +101,27 @@ class GRPOTrainer(RolloutLoop):
 
     model: the policy being trained; optimizer: over its parameters; reward_fn(batch) -> R floats;
     prompts: `step -> list of prompts` or an iterable of per-step prompt lists (token ids, text, or chat messages);
-    ref_model: frozen reference for the KL (scored through `rollout.score`).
+    ref_model: frozen reference for the KL (scored through `rollout.score`);
+    episodes: multi-turn episodes (`rollout.EpisodeSpec(make_env, max_turns=...)`): every sample is an episode, the
+    loss covers the model's tokens only (`batch.action_mask`), and reward_fn may be None to train on the
+    environments' own rewards (`batch.rewards`).
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, reward_fn: RewardFn, prompts,
-                 rollouts: Any, config: GRPOConfig | None = None, ref_model: torch.nn.Module | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, reward_fn: RewardFn | None, prompts,
+                 rollouts: Any, config: GRPOConfig | None = None, ref_model: torch.nn.Module | None = None,
+                 episodes: EpisodeSpec | None = None) -> None:
         self.model, self.optimizer, self.reward_fn, self.rollouts = model, optimizer, reward_fn, rollouts
         self.config = config if config is not None else GRPOConfig()
         self.ref_model = ref_model
         if self.config.beta and ref_model is None:
             raise ValueError(f"beta={self.config.beta} needs a reference model. Fix: pass ref_model=... (e.g. a "
                              "frozen copy of the initial policy) or use beta=0.")
-        self._start_loop(prompts)
+        self._start_loop(prompts, episodes)
 
     def _update(self, batch: RolloutBatch, rewards: torch.Tensor, ref: torch.Tensor | None) -> dict[str, float]:
         cfg, device = self.config, self.device
         advantages = losses.group_advantages(rewards, cfg.num_generations, scale=cfg.scale_rewards)
-        mask = batch.completion_mask.to(device)
+        mask = batch.action_mask.to(device)  # the model's own tokens: episodes' observations are not trained on
         rollout_lp = batch.logprobs.to(device)
         advantages = advantages.to(device)
         ref = ref.to(device) if ref is not None else None

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rollout import RolloutBatch
+from rollout import EpisodeSpec, RolloutBatch
 
 from .rollouts import (PromptsExhausted, prompt_stream, push_weights, reference_logprobs, rewards_tensor,
                        shares_model, timed_generate)
@@ -22,11 +22,12 @@ from .rollouts import (PromptsExhausted, prompt_stream, push_weights, reference_
 class RolloutLoop:
     model: torch.nn.Module
     rollouts: Any
-    reward_fn: Callable
+    reward_fn: Callable | None
     ref_model: torch.nn.Module | None
     config: Any
 
-    def _start_loop(self, prompts) -> None:
+    def _start_loop(self, prompts, episodes: EpisodeSpec | None = None) -> None:
+        self.episodes = episodes
         self._prompts = prompt_stream(prompts)
         self.num_steps = 0
         self.history: list[dict[str, float]] = []
@@ -51,10 +52,14 @@ class RolloutLoop:
 
     def step(self) -> dict[str, float]:
         cfg = self.config
+        if self.reward_fn is None and self.episodes is None:  # checked before anything is generated
+            raise ValueError("reward_fn=None is invalid without episodes: there is no reward to train on. Fix: pass "
+                             "reward_fn(batch) -> R floats, or episodes=EpisodeSpec(make_env) to use the "
+                             "environments' rewards.")
         start = time.perf_counter()
         batch, rollout_s = timed_generate(self.rollouts, self._prompts(self.num_steps), cfg.sampling(),
-                                          cfg.chat_template)
-        rewards = rewards_tensor(self.reward_fn(batch), len(batch))
+                                          cfg.chat_template, self.episodes)
+        rewards = rewards_tensor(self.reward_fn(batch) if self.reward_fn is not None else batch.rewards, len(batch))
         ref = reference_logprobs(self.ref_model, batch, cfg.temperature) if self.ref_model is not None else None
         train_start = time.perf_counter()
         stats = self._update(batch, rewards, ref)
@@ -65,6 +70,8 @@ class RolloutLoop:
             "step": self.num_steps, "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0, **stats,
             "completion_len": float(batch.completion_lengths.float().mean()),
+            "num_turns": float(batch.num_turns.float().mean()),
+            "episode_errors": float(sum(1 for e in batch.errors if e)),
             "rollout_tokens": batch.num_tokens, "rollout_tokens_per_s": batch.num_tokens / max(rollout_s, 1e-9),
             "rollout_s": rollout_s, "train_s": train_s, "refresh_s": refresh_s,
             "staleness": float(self.base_version + self.num_steps - 1 - int(batch.policy_version.min())),

@@ -1,6 +1,8 @@
 """Pure functions of the policy-gradient losses: advantages, GAE, clipped losses, KL estimators, masks.
 
-Shapes: R rows (one per completion), T completion positions, right-padded; `mask` (R, T) is True on real tokens.
+Shapes: R rows (one per completion), T completion positions, right-padded; `mask` (R, T) is True on the tokens
+the loss covers: the model's own tokens (`RolloutBatch.action_mask`), so the observation tokens of multi-turn
+episodes are holes inside a row, and padding follows the row.
 Every function is a plain tensor function (no model, no rollout object), so each is tested against values worked
 out by hand in tests/test_trainers.py. Masked positions never contribute, whatever they hold.
 """
@@ -91,11 +93,12 @@ def truncated_is_weights(trainer_logprobs: torch.Tensor, rollout_logprobs: torch
 def kl_shaped_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
                       mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
     """PPO-RLHF token rewards: -kl_coef * (logp - ref_logp) on every token, plus the scalar score on each row's last
-    real token. scores: (R,); logprobs, ref_logprobs, mask: (R, T). Returns (R, T), 0 on padding."""
+    masked-in token. scores: (R,); logprobs, ref_logprobs, mask: (R, T). Returns (R, T), 0 where mask is False."""
     rewards = torch.zeros_like(logprobs)
     if ref_logprobs is not None and kl_coef:
         rewards = -kl_coef * (logprobs - ref_logprobs)
-    last = mask.long().sum(dim=1).clamp(min=1) - 1
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(mask, positions, torch.full_like(positions, -1)).amax(dim=1).clamp(min=0)
     rewards = rewards.clone()
     rewards[torch.arange(len(scores)), last] += scores.to(rewards.dtype)
     return torch.where(mask, rewards, torch.zeros_like(rewards))
@@ -103,11 +106,12 @@ def kl_shaped_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
         lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation over each row's real tokens; the state after the last token is terminal.
+    """Generalised advantage estimation over each row's masked-in tokens; the state after the last one is terminal.
 
-    delta_t = r_t + gamma * V_{t+1} - V_t (V after the last real token = 0),
-    A_t = delta_t + gamma * lam * A_{t+1}. Returns (advantages, returns = advantages + values), both (R, T), 0 on
-    padding. Rows are right-padded, so padding only ever follows a row's real tokens.
+    delta_t = r_t + gamma * V_{t+1} - V_t (V after the last token = 0), A_t = delta_t + gamma * lam * A_{t+1}, where
+    t+1 is the row's next masked-in token: masked-out tokens inside a row (an episode's observations) are part of
+    the environment's transition, skipped rather than treated as the end of the row. Returns (advantages,
+    returns = advantages + values), both (R, T), 0 where mask is False.
     """
     rewards = torch.where(mask, rewards, torch.zeros_like(rewards))
     values = torch.where(mask, values, torch.zeros_like(values))
@@ -116,10 +120,10 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     next_value = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        running = delta + gamma * lam * running
-        running = torch.where(mask[:, t], running, torch.zeros_like(running))
-        advantages[:, t] = running
-        next_value = values[:, t]
+        live = mask[:, t]
+        running = torch.where(live, delta + gamma * lam * running, running)  # masked-out: carried across
+        advantages[:, t] = torch.where(live, running, torch.zeros_like(running))
+        next_value = torch.where(live, values[:, t], next_value)
     return advantages, torch.where(mask, advantages + values, torch.zeros_like(values))
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from rollout import RolloutBatch, SamplingParams
+from rollout import EpisodeSpec, RolloutBatch, SamplingParams
 
 from . import losses
 from .forward import Packed, completion_logprobs, pack
@@ -81,17 +81,17 @@ class PPOConfig:
 class PPOTrainer(RolloutLoop):
     """PPO over a `rollouts` object. value_model: a `ValueHead` on the policy's hidden states, or a critic module
     mapping a `Packed` batch to (R, T) values (e.g. `CriticModel`). The optimizer must cover the policy and the
-    value model."""
+    value model. `episodes` as in GRPOTrainer: GAE runs over the model's tokens, observations skipped."""
 
     def __init__(self, model: torch.nn.Module, value_model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 reward_fn: RewardFn, prompts, rollouts: Any, config: PPOConfig | None = None,
-                 ref_model: torch.nn.Module | None = None) -> None:
+                 reward_fn: RewardFn | None, prompts, rollouts: Any, config: PPOConfig | None = None,
+                 ref_model: torch.nn.Module | None = None, episodes: EpisodeSpec | None = None) -> None:
         self.model, self.value_model, self.optimizer = model, value_model, optimizer
         self.reward_fn, self.rollouts = reward_fn, rollouts
         self.config = config if config is not None else PPOConfig()
         self.ref_model = ref_model
         self._check_optimizer()
-        self._start_loop(prompts)
+        self._start_loop(prompts, episodes)
 
     def _check_optimizer(self) -> None:
         covered = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
@@ -110,7 +110,7 @@ class PPOTrainer(RolloutLoop):
 
     def _update(self, batch: RolloutBatch, scores: torch.Tensor, ref: torch.Tensor | None) -> dict[str, float]:
         cfg, device = self.config, self.device
-        mask = batch.completion_mask.to(device)
+        mask = batch.action_mask.to(device)  # the model's own tokens: episodes' observations are not trained on
         rollout_lp = batch.logprobs.to(device)
         ref = ref.to(device) if ref is not None else None
         num_tokens, num_rows = int(mask.sum()), len(batch)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rollout import RolloutBatch
+from rollout import EpisodeSpec, RolloutBatch
 
 
 def shares_model(rollouts: Any, model: torch.nn.Module) -> bool:
@@ -34,9 +34,10 @@ def push_weights(rollouts: Any, model: torch.nn.Module, version: int) -> float:
     return time.perf_counter() - start
 
 
-def timed_generate(rollouts: Any, prompts, sampling, chat_template: bool = False) -> tuple[RolloutBatch, float]:
+def timed_generate(rollouts: Any, prompts, sampling, chat_template: bool = False,
+                   episodes: EpisodeSpec | None = None) -> tuple[RolloutBatch, float]:
     start = time.perf_counter()
-    batch = rollouts.generate(prompts, sampling=sampling, chat_template=chat_template)
+    batch = rollouts.generate(prompts, sampling=sampling, chat_template=chat_template, **(episodes.kwargs() if episodes else {}))
     return batch, time.perf_counter() - start
 
 

@@ -2,7 +2,7 @@
 
 Owns everything that touches `transformers.generation.continuous_batching` or transformers' private attributes
 (tests/test_layout.py checks it). May import: torch, transformers, and rollout's leaf modules (`params`, `config`,
-`batch`, `errors`). Knows nothing about tokenizers, Ray or trainers.
+`batch`, `errors`, `env`). Knows nothing about tokenizers, Ray or trainers.
 
 One request, hop by hop, from `RolloutWorker.generate` to its row:
 1. submit (`core.py`, `Engine.run` / `Engine._submit`): the samples of one prompt become one `RequestState` whose

@@ -61,10 +61,8 @@ class FleetActor:
         are the chunk's prompts' indices in the fleet's call, which an episode's make_env is called with."""
         self.busy = True
         try:
-            episodes = {} if spec is None else dict(env=_Reindexed(spec.env, indices or list(range(len(prompts)))),
-                                                    max_turns=spec.max_turns,
-                                                    max_episode_tokens=spec.max_episode_tokens,
-                                                    env_timeout=spec.env_timeout)
+            episodes = {} if spec is None else \
+                dict(spec.kwargs(), env=_Reindexed(spec.env, indices or list(range(len(prompts)))))
             batch = self.worker.generate(prompts, sampling=sampling, **episodes)
         finally:
             self.busy = False
