@@ -305,6 +305,69 @@ def test_ppo_rejects_an_optimizer_without_the_value_parameters(tiny):
                    [], model)
 
 
+# ------------------------------------------------------------------------------------------ multi-turn episodes
+class TwoTurns:
+    """A 5-token observation after turn 1; turn 2 earns the fraction of its tokens that are digits."""
+
+    def __init__(self, prompt_index, sample_index):
+        self.turns = 0
+
+    def step(self, completion_ids):
+        from rollout import Turn
+
+        self.turns += 1
+        if self.turns == 1:
+            return Turn([40, 41, 42, 43, 44])
+        return Turn(reward=sum(22 <= t <= 31 for t in completion_ids) / len(completion_ids))
+
+
+def test_grpo_on_episodes_trains_on_model_tokens_only_with_the_environment_rewards(tiny, monkeypatch):
+    from rollout import EpisodeSpec
+
+    model, tok = tiny
+    masks, batches = [], []
+    real_aggregate = losses.aggregate
+    monkeypatch.setattr(losses, "aggregate", lambda x, mask, norm: masks.append(mask.clone()) or
+                        real_aggregate(x, mask, norm))
+    with RolloutWorker(model, WorkerConfig(), tokenizer=tok) as worker:
+        real_generate = worker.generate
+        monkeypatch.setattr(worker, "generate", lambda *a, **k: batches.append(real_generate(*a, **k)) or batches[-1])
+        trainer = GRPOTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), None, lambda step: ids(tok),
+                              worker, GRPOConfig(num_generations=4, max_new_tokens=6),
+                              episodes=EpisodeSpec(TwoTurns, max_turns=2))
+        history = trainer.train(2)
+    for m, batch, mask in zip(history, batches, masks):
+        assert m["num_turns"] == 2.0 and m["logprob_gap_max"] < GAP
+        assert m["reward_mean"] == pytest.approx(float(batch.rewards.mean()))
+        assert torch.equal(mask, batch.action_mask)  # the loss saw the model's tokens, never the observations
+        assert int((batch.completion_mask & ~batch.action_mask).sum()) == 5 * len(batch)
+
+
+def test_ppo_on_episodes_is_exact_across_the_observation_holes(tiny):
+    from rollout import EpisodeSpec
+
+    model, tok = tiny
+    value = ValueHead.for_model(model)
+    optimizer = torch.optim.AdamW([*model.parameters(), *value.parameters()], lr=3e-3)
+    with RolloutWorker(model, WorkerConfig(), tokenizer=tok) as worker:
+        trainer = PPOTrainer(model, value, optimizer, None, lambda step: ids(tok), worker,
+                             PPOConfig(num_generations=2, max_new_tokens=6, num_epochs=2, kl_coef=0.0),
+                             episodes=EpisodeSpec(TwoTurns, max_turns=2))
+        history = trainer.train(2)
+    assert all(math.isfinite(m["loss"]) and m["logprob_gap_max"] < GAP and m["num_turns"] == 2.0 for m in history)
+
+
+def test_a_trainer_without_reward_fn_or_episodes_fails_before_generating(tiny):
+    model, tok = tiny
+    calls = []
+    rollouts = SimpleNamespace(model=model, tokenizer=tok, refresh=lambda v: None,
+                               generate=lambda *a, **k: calls.append(1))
+    trainer = GRPOTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), None, lambda step: ids(tok), rollouts)
+    with pytest.raises(ValueError, match="reward_fn=None"):
+        trainer.step()
+    assert calls == []
+
+
 # ------------------------------------------------------------------------------------------ the demo, shortened
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory):
@@ -326,6 +389,17 @@ def test_demo_learns_in_a_few_steps(demo_dir, tmp_path, capsys):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     records = [json.loads(line) for line in (demo_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 12 and max(r["logprob_gap_max"] for r in records) < GAP
+
+
+def test_the_multi_turn_demo_runs_episodes_and_plots_the_blind_ceiling(demo_dir, tmp_path, capsys):
+    from trainers_integration.demo import main
+
+    plot = tmp_path / "recall.png"
+    rc = main(["--env", "recall", "--steps", "3", "--out", str(demo_dir), "--plot", str(plot), "--min-gain", "-1"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0 and "recall episodes" in out[0] and plot.read_bytes()[:4] == b"\x89PNG"
+    records = [json.loads(line) for line in (demo_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["num_turns"] for r in records] == [2.0] * 3 and max(r["logprob_gap_max"] for r in records) < GAP
 
 
 def test_demo_exits_nonzero_when_the_reward_does_not_rise(demo_dir, capsys):

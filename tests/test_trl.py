@@ -118,6 +118,47 @@ def test_two_trl_steps_with_chat_prompts_and_a_worker_holding_its_own_copy(tiny_
     assert len(gaps) == 2 and max(gaps) < GAP, gaps
 
 
+class Echo:
+    """Two-turn episodes: a 3-token observation after turn 1; reward 1 if turn 2 holds a digit token."""
+
+    def __init__(self, prompt_index, sample_index):
+        self.turns = 0
+
+    def step(self, completion_ids):
+        from rollout import Turn
+
+        self.turns += 1
+        return Turn([30, 31, 32], reward=float(any(22 <= t <= 31 for t in completion_ids)) if self.turns == 2 else 0.0)
+
+
+def env_reward(completions, env_reward, **kwargs):
+    return env_reward
+
+
+def test_multi_turn_trl_steps_mask_observations_with_env_mask(tiny, tmp_path, monkeypatch):
+    from rollout import EpisodeSpec
+    from trainers_integration.trl import RolloutGRPOTrainer
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    model, tok = tiny
+    seen = []
+    dataset = datasets.Dataset.from_dict({"prompt": ["the cat is", "one plus two"]})
+    with RolloutWorker(model, WorkerConfig(), tokenizer=tok) as worker:
+        real_generate = worker.generate
+        monkeypatch.setattr(worker, "generate", lambda *a, **k: seen.append(real_generate(*a, **k)) or seen[-1])
+        trainer = RolloutGRPOTrainer(model=model, rollouts=worker, reward_funcs=env_reward,
+                                     args=trl_args(tmp_path, max_completion_length=4), train_dataset=dataset,
+                                     processing_class=tok, episodes=EpisodeSpec(Echo, max_turns=2))
+        trainer.train()
+    assert len(seen) == 2 and all(b.num_turns.tolist() == [2] * len(b) for b in seen)
+    assert all(int((~b.action_mask & b.completion_mask).sum()) == 3 * len(b) for b in seen)
+    # TRL counts completion lengths over env_mask: the model's tokens only, observations excluded
+    model_tokens = [float(b.action_mask.sum(1).float().mean()) for b in seen]
+    assert logged(trainer, "completions/mean_length") == pytest.approx(model_tokens)
+    gaps = logged(trainer, "sampling/sampling_logp_difference/max")
+    assert len(gaps) == 2 and max(gaps) < GAP, gaps
+
+
 def test_use_vllm_is_refused(tiny, tmp_path):
     from trainers_integration.trl import RolloutGRPOTrainer
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from rollout import SamplingParams
+from rollout import EpisodeSpec, SamplingParams
 
 from .rollouts import push_weights
 
@@ -71,9 +71,14 @@ def trainer_sampling(trainer: Any, n: int) -> SamplingParams:
                           stop_token_ids=tuple(int(t) for t in eos) if eos else None)
 
 
-def make_rollout_func(rollouts: Any, model: Any = None):
+def make_rollout_func(rollouts: Any, model: Any = None, episodes: EpisodeSpec | None = None):
     """A TRL `rollout_func(prompts, trainer) -> {"prompt_ids", "completion_ids", "logprobs"}` over `rollouts` (a
-    RolloutWorker or RolloutFleet). `model`: the policy whose weights to push; None means the trainer's model."""
+    RolloutWorker or RolloutFleet). `model`: the policy whose weights to push; None means the trainer's model.
+
+    With `episodes` every sample is a multi-turn episode run inside the engine: the completion holds the model's
+    turns and the environment's observations, and the function also returns `env_mask` (1 on the model's tokens,
+    0 on observations: TRL 1.16 masks the loss with it), `env_reward` (each episode's summed turn rewards, for a
+    reward function `lambda env_reward, **kw: env_reward`) and `num_turns`."""
     _require_trl()
     last_pushed: dict[str, int | None] = {"step": None}
 
@@ -86,11 +91,17 @@ def make_rollout_func(rollouts: Any, model: Any = None):
         unique, counts = group_repeats(list(prompts))
         chat = bool(unique) and isinstance(unique[0], (list, tuple)) and bool(unique[0]) \
             and isinstance(unique[0][0], dict)
-        batch = rollouts.generate(unique, sampling=[trainer_sampling(trainer, n) for n in counts], chat_template=chat)
+        batch = rollouts.generate(unique, sampling=[trainer_sampling(trainer, n) for n in counts], chat_template=chat,
+                                  **(episodes.kwargs() if episodes else {}))
         lengths = batch.completion_lengths.tolist()
-        return {"prompt_ids": [list(p) for p in batch.prompt_ids],
-                "completion_ids": batch.completion_token_lists(),
-                "logprobs": [batch.sampling_logprobs[i, :n].tolist() for i, n in enumerate(lengths)]}
+        out = {"prompt_ids": [list(p) for p in batch.prompt_ids],
+               "completion_ids": batch.completion_token_lists(),
+               "logprobs": [batch.sampling_logprobs[i, :n].tolist() for i, n in enumerate(lengths)]}
+        if episodes is not None:
+            out["env_mask"] = [batch.action_mask[i, :n].int().tolist() for i, n in enumerate(lengths)]
+            out["env_reward"] = batch.rewards.tolist()
+            out["num_turns"] = batch.num_turns.tolist()
+        return out
 
     return rollout_func
 
@@ -100,7 +111,8 @@ def _trainer_class():
 
     class RolloutGRPOTrainer(trl.GRPOTrainer):
         """TRL's GRPOTrainer generating through `rollouts`, with TRL's importance-sampling correction
-        (`vllm_importance_sampling_*` settings, on by default) computed against the rollout's logprobs.
+        (`vllm_importance_sampling_*` settings, on by default) computed against the rollout's logprobs. With
+        `episodes=EpisodeSpec(make_env, max_turns=...)` it trains on multi-turn episodes (see make_rollout_func).
 
         TRL gates that correction, its metrics `sampling/sampling_logp_difference/{mean,max}` and
         `sampling/importance_sampling_ratio/*`, on `self.use_vllm`. Here `use_vllm` reads True everywhere except
@@ -108,12 +120,12 @@ def _trainer_class():
         tests/test_trl.py checks that TRL 1.16 still gates the correction this way.
         """
 
-        def __init__(self, *args: Any, rollouts: Any, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, rollouts: Any, episodes: EpisodeSpec | None = None, **kwargs: Any) -> None:
             if kwargs.get("rollout_func") is not None:
                 raise ValueError("rollout_func is invalid here: RolloutGRPOTrainer builds it from rollouts. Fix: pass "
                                  "only rollouts=..., or use trl.GRPOTrainer(rollout_func=make_rollout_func(...)).")
             self._rollout_logprob_phase = False
-            super().__init__(*args, rollout_func=make_rollout_func(rollouts), **kwargs)
+            super().__init__(*args, rollout_func=make_rollout_func(rollouts, episodes=episodes), **kwargs)
             self.rollouts = rollouts
             self._rollout_logprob_phase = bool(self.vllm_importance_sampling_correction)
 
