@@ -271,6 +271,20 @@ def test_a_weight_refresh_waits_for_whole_episodes(tiny_path):
     assert result["batch"].policy_version.tolist() == [0, 0]  # nothing of them ran on version 1
 
 
+def test_a_call_that_times_out_closes_its_environments_and_leaves_nothing_behind(worker):
+    make_env = Recorder(Slow)
+    with pytest.raises(TimeoutError):
+        worker.generate(prompts_of([8, 8, 8]), SamplingParams(max_new_tokens=3, ignore_eos=True), env=make_env,
+                        max_turns=4, timeout=1.0)
+    time.sleep(0.8)  # the slow step in flight returns; its outcome is dropped
+    assert set(make_env.envs) == {(0, 0), (1, 0), (2, 0)}
+    assert all(env.closed == 1 for env in make_env.envs.values())
+    engine = worker.engine
+    assert not engine._pending and not engine._stepping and not engine._rerun
+    batch = worker.generate(prompts_of([8]), SamplingParams(max_new_tokens=3, ignore_eos=True), env=Echo, max_turns=2)
+    assert_exact_episodes(worker.model, batch)
+
+
 def test_without_an_environment_the_new_fields_are_neutral(worker):
     batch = worker.generate(prompts_of([5, 9]), SamplingParams(max_new_tokens=4))
     assert torch.equal(batch.action_mask, batch.completion_mask)

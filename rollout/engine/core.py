@@ -338,9 +338,10 @@ class Engine:
         with self._cond:
             call.abandoned = True
             self._rerun = [s for s in self._rerun if s.call is not call]
-            for sample in [s for s in self._stepping if s.call is call]:
+            for sample in call.samples:
                 self._stepping.discard(sample)
-                self._stepper.close_env(sample.episode.env)
+                if sample.episode is not None and sample.row is None:  # an ended episode closed its own
+                    self._stepper.close_env(sample.episode.env)
             for request_id, sample in list(self._pending.items()):
                 if sample.call is call:
                     self._pending.pop(request_id)
