@@ -31,6 +31,7 @@ class Row:
     reward: float = 0.0
     num_turns: int = 1
     error: str = ""
+    token_versions: list[int] | None = None  # per completion token (-1 on observations); None: all policy_version
     prompt_tokens: int = 0  # tokens the row's engine requests were prompted with (n samples: on sample 0's row)
     reused_tokens: int = 0  # of those, served by the prefix cache
 
@@ -51,6 +52,8 @@ class RolloutBatch:
         (the episode's token budget) or "error" (the environment raised, timed out or answered ids outside the
         vocabulary; the message is in `errors`).
     policy_version: (R,) int64, the weights version that produced each row (the oldest, if several did).
+    token_versions: (R, T) int64, the version whose weights produced each token: with weight updates that land
+        mid-generation (`in_flight="recompute"` or "keep") a row spans several; -1 on observation tokens and padding.
     action_mask: (R, T) bool, True on model-generated tokens (equal to `completion_mask` without an environment;
         False on observation tokens and padding).
     rewards: (R,) float32, the sum of each episode's turn rewards (0 without an environment).
@@ -71,6 +74,7 @@ class RolloutBatch:
     policy_version: torch.Tensor
     sample_index: torch.Tensor
     action_mask: torch.Tensor
+    token_versions: torch.Tensor
     rewards: torch.Tensor
     num_turns: torch.Tensor
     errors: list[str]
@@ -86,11 +90,14 @@ class RolloutBatch:
         logprobs = torch.zeros((num, width), dtype=torch.float32)
         sampling = torch.zeros((num, width), dtype=torch.float32)
         action = torch.zeros((num, width), dtype=torch.bool)
+        versions = torch.full((num, width), -1, dtype=torch.long)
         for i, row in enumerate(rows):
             length = len(row.completion_ids)
             ids[i, :length] = torch.tensor(row.completion_ids, dtype=torch.long)
             mask[i, :length] = True
             action[i, :length] = True if row.action_mask is None else torch.tensor(row.action_mask, dtype=torch.bool)
+            versions[i, :length] = row.policy_version if row.token_versions is None else \
+                torch.tensor(row.token_versions, dtype=torch.long)
             logprobs[i, :length] = torch.tensor(row.logprobs, dtype=torch.float32)
             sampling[i, :length] = torch.tensor(row.sampling_logprobs, dtype=torch.float32)
         return cls(
@@ -105,6 +112,7 @@ class RolloutBatch:
             policy_version=torch.tensor([r.policy_version for r in rows], dtype=torch.long),
             sample_index=torch.tensor([r.sample_index for r in rows], dtype=torch.long),
             action_mask=action,
+            token_versions=versions,
             rewards=torch.tensor([r.reward for r in rows], dtype=torch.float32),
             num_turns=torch.tensor([r.num_turns for r in rows], dtype=torch.long),
             errors=[r.error for r in rows],
@@ -132,6 +140,7 @@ class RolloutBatch:
                 sampling_logprobs=self.sampling_logprobs[i, :length].tolist(),
                 finish_reason=self.finish_reason[i], policy_version=int(self.policy_version[i]),
                 action_mask=self.action_mask[i, :length].tolist(), reward=float(self.rewards[i]),
+                token_versions=self.token_versions[i, :length].tolist(),
                 num_turns=int(self.num_turns[i]), error=self.errors[i], **self._row_stats(i)))
         return out
 

@@ -11,7 +11,14 @@ from dataclasses import dataclass
 
 from .errors import check_int, invalid
 
-IN_FLIGHT_POLICIES = ("wait", "abort")
+IN_FLIGHT_POLICIES = ("wait", "abort", "recompute", "keep")
+
+
+def check_in_flight(value: object, field: str = "in_flight") -> None:
+    if value not in IN_FLIGHT_POLICIES:
+        raise invalid(field, value, f"must be one of {IN_FLIGHT_POLICIES}",
+                      "use 'wait' (finish on the old weights), 'abort' (re-run on the new), 'recompute' (keep the "
+                      "tokens, recompute their KV under the new weights) or 'keep' (continue on old-weight KV)")
 
 
 @dataclass(frozen=True)
@@ -27,8 +34,10 @@ class WorkerConfig:
         Mask-free attention ("rollout_paged", flash) is sized by kv_cache_memory_mb alone.
     max_requests_per_batch: most sequences in one forward step.
     prefix_caching: reuse KV of identical prompt prefixes across calls (invalidated on every weight change).
-    in_flight: what a weight update does with requests in flight: "wait" for them to finish (default) or "abort"
-        them and re-run them on the new weights.
+    in_flight: what a weight update does with calls in flight (each update may override it): "wait" for them to
+        finish on the old weights (default), "abort" them and re-run them on the new weights, "recompute" their KV
+        under the new weights and continue (every token exact under the version that produced it), or "keep" their
+        old-weight KV and continue (fastest; tokens after the switch approximate). See docs/async.md.
     seed: seed of the worker's own sampling generator (the global torch RNG is never touched).
     max_retries: times a request is re-run after the engine died under it before the call fails.
     env_threads: threads that run environments' synchronous `step` calls (and `make_env`) of multi-turn episodes, so
@@ -64,9 +73,7 @@ class WorkerConfig:
         check_int("seed", self.seed, 0, "use a non-negative integer")
         check_int("env_threads", self.env_threads, 1, "allow at least 1 thread for environment steps (64 is the "
                   "default)")
-        if self.in_flight not in IN_FLIGHT_POLICIES:
-            raise invalid("in_flight", self.in_flight, f"must be one of {IN_FLIGHT_POLICIES}",
-                          "use 'wait' (updates wait for in-flight requests) or 'abort' (re-run them)")
+        check_in_flight(self.in_flight)
         if self.attn_implementation is not None and (not isinstance(self.attn_implementation, str)
                                                      or not self.attn_implementation):
             raise invalid("attn_implementation", self.attn_implementation, "must be None or a non-empty string",

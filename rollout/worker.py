@@ -27,7 +27,9 @@ from .config import WorkerConfig
 from .engine import (Call, Engine, Episode, Sample, current_attn_implementation, resolve_attn_implementation,
                      set_attn_implementation)
 from .prompts import prepare_call
+from .config import check_in_flight
 from .env import EnvFactory, EpisodeSpec
+from .future import RolloutFuture
 from .params import SamplingParams
 from . import weights as weights_mod
 
@@ -85,16 +87,37 @@ class RolloutWorker:
                  max_turns: int = 1, max_episode_tokens: int | None = None,
                  env_timeout: float | None = 300.0) -> RolloutBatch:
         """Generate every sample of every prompt; rows come back prompt-major. Validates the whole call first.
+        `submit(...).result(timeout)`, except that a call that times out (or is interrupted) is cancelled.
 
         With `env` (`make_env(prompt_index, sample_index) -> Environment`), every sample is a multi-turn episode:
         after each model turn its environment steps off the engine thread and the next turn is submitted as soon as
         the observation is back, reusing the episode's cached KV (docs/episodes.md)."""
+        future = self.submit(prompts, sampling, chat_template, env, max_turns, max_episode_tokens, env_timeout)
+        try:
+            return future.result(timeout)
+        except BaseException:  # timeout, Ctrl-C, ...: nothing of this call keeps running in the engine
+            future.cancel()
+            raise
+
+    def submit(self, prompts: Sequence[Any], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+               chat_template: bool = False, env: EnvFactory | None = None, max_turns: int = 1,
+               max_episode_tokens: int | None = None, env_timeout: float | None = 300.0) -> RolloutFuture:
+        """Validate the call, submit it and return at once (docs/async.md). Several calls may be in flight; weight
+        updates may land while they run (`update_weights(..., in_flight=...)`), and every token of the result says
+        which version produced it (`batch.token_versions`)."""
         spec = EpisodeSpec.of(env, max_turns, max_episode_tokens, env_timeout)
         groups = self._prepare(prompts, sampling, chat_template, spec)
-        call = Call([s for group in groups for s in group])
+        call = Call([s for group in groups for s in group], on_over=lambda _: self._leave_generation_mode())
+        future = RolloutFuture(call, self.engine.cancel, self._batch_of)
+        self._enter_generation_mode()
         if call.samples:
-            with self._generation_mode():
-                self.engine.run(groups, call, timeout=timeout)
+            self.engine.submit(groups, call)
+        else:
+            self._leave_generation_mode()
+            call.settled.set()
+        return future
+
+    def _batch_of(self, call: Call) -> RolloutBatch:
         rows = sorted((s.row for s in call.samples), key=lambda r: (r.prompt_index, r.sample_index))
         pad = self.tokenizer.pad_token_id if self.tokenizer is not None and self.tokenizer.pad_token_id is not None else 0
         return RolloutBatch.from_rows(rows, pad_token_id=pad, tokenizer=self.tokenizer)
@@ -118,22 +141,24 @@ class RolloutWorker:
             return None
         return Episode(spec.env, spec.max_turns, budget, self.vocab_size, spec.env_timeout)
 
-    @contextlib.contextmanager
-    def _generation_mode(self):
-        """Eval mode and the engine's attention while any generate call runs (counted, so concurrent calls from
-        several threads keep them); the owner's training flag and attention come back when the last one ends."""
+    def _enter_generation_mode(self) -> None:
+        """Eval mode and the engine's attention while any call is in flight (counted, so concurrent calls keep
+        them); the owner's training flag and attention come back when the last one is over."""
         with self._lock:
             if self._active_calls == 0:
                 self._was_training = self.model.training
                 self.model.eval()
                 self._set_attn(self._engine_attn)
             self._active_calls += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._active_calls -= 1
-                if self._active_calls == 0:
+
+    def _leave_generation_mode(self) -> None:
+        """Called once per call, after it is over (on the engine's supervisor thread). The owner's attention is
+        restored inside a pause of the loop, so no forward of the engine thread ever runs with it: a cancelled
+        request is dropped by the loop before its next step, and a step already under way finishes first."""
+        with self._lock:
+            self._active_calls -= 1
+            if self._active_calls == 0:
+                with self.engine.paused():
                     self._set_attn(self._user_attn)
                     self.model.train(self._was_training)
 
@@ -141,20 +166,42 @@ class RolloutWorker:
         set_attn_implementation(self.model, impl)
 
     # ------------------------------------------------------------------ weights
-    def refresh(self, version: int | None = None) -> int:
-        """The shared model's weights changed in place: fence, forget cached KV, bump the version."""
-        _check_version(version)
-        with self.engine.exclusive(abort_in_flight=self.config.in_flight == "abort"):
-            return self._bump(version)
+    def refresh(self, version: int | None = None, in_flight: str | None = None) -> int:
+        """The shared model's weights changed in place: fence, forget cached KV, bump the version. `in_flight`
+        (default `WorkerConfig.in_flight`) says what happens to calls in flight: "wait", "abort", "recompute" or
+        "keep" (docs/async.md). With a shared model, change its weights only when nothing is in flight, or inside
+        `weight_update()`, so that no forward runs while they change."""
+        with self.weight_update(version, in_flight) as bump:
+            return bump()
 
     def update_weights(self, weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                       version: int | None = None, full: bool = False) -> int:
-        """Copy new weights in place, atomically: every tensor is validated before any parameter changes."""
+                       version: int | None = None, full: bool = False, in_flight: str | None = None) -> int:
+        """Copy new weights in place, atomically: every tensor is validated before any parameter changes.
+        `in_flight` as in `refresh`."""
         _check_version(version)
         plan = weights_mod.plan_update(self.model, weights, full=full)
-        with self.engine.exclusive(abort_in_flight=self.config.in_flight == "abort"):
+        with self.weight_update(version, in_flight) as bump:
             weights_mod.apply_update(plan)
-            return self._bump(version)
+            return bump()
+
+    @contextlib.contextmanager
+    def weight_update(self, version: int | None = None, in_flight: str | None = None):
+        """Change the weights in place inside this block (e.g. a shared model's `optimizer.step()`): no forward runs
+        meanwhile, what is in flight is handled by `in_flight`, and the version is bumped (to `version`, or + 1)
+        when the block ends. `as bump` gives a function that bumps early and returns the new version."""
+        _check_version(version)
+        mode = self.config.in_flight if in_flight is None else in_flight
+        check_in_flight(mode)
+        bumped: list[int] = []
+
+        def bump() -> int:
+            if not bumped:
+                bumped.append(self._bump(version))
+            return bumped[0]
+
+        with self.engine.exclusive(mode):
+            yield bump
+            bump()
 
     def _bump(self, version: int | None) -> int:
         self.engine.version = self.engine.version + 1 if version is None else version
@@ -170,7 +217,7 @@ class RolloutWorker:
         """Teacher-forced logprobs of stored completions with this worker's model (see rollout.scoring)."""
         from .scoring import score
 
-        with self.engine.exclusive(abort_in_flight=False, invalidate=False):
+        with self.engine.exclusive("wait", invalidate=False):
             return score(self.model, prompts, completions, temperature=temperature, tokenizer=self.tokenizer,
                          **kwargs)
 

@@ -179,7 +179,7 @@ def test_engine_is_started_once_and_calls_leave_no_state(shared):
     for _ in range(2):
         shared.generate(prompts_of([3, 4]), SamplingParams(n=2, max_new_tokens=3))
     assert shared.engine._manager is manager
-    assert not shared.engine._pending and not shared.engine._sampling_logprobs and not shared.engine._row_specs
+    assert not shared.engine._pending and len(shared.engine._ledger) == 0 and not shared.engine._calls
 
 
 def test_worker_from_a_checkpoint_directory_loads_model_and_tokenizer(tiny_path):

@@ -3,10 +3,14 @@
 The engine knows token ids and SamplingParams, nothing about tokenizers or trainers. It
 - owns its `ContinuousBatchingManager` (built once, started once, sized by WorkerConfig, never cached on the model);
 - plugs in the hooks of `runner.py` (per-row sampling with both logprobs, the fork fix, one output callback);
-- tracks every accepted sample until it comes back exactly once: when the engine thread dies, the manager is rebuilt
-  and unfinished samples re-run (up to `max_retries` times each);
-- fences weight changes: `exclusive()` stops new work, waits for (or aborts) what is in flight, pauses the loop and
-  forgets every prefix-cache hash, so no later token reads KV computed with other weights.
+- takes calls asynchronously (`submit`): every accepted sample is tracked until it comes back exactly once; a
+  supervisor thread rebuilds the manager when the engine thread dies and re-runs what it lost (up to `max_retries`
+  times each), and settles each call once it is over;
+- runs multi-turn episodes (environment steps off the engine thread, see episode.py and stepper.py);
+- fences weight changes: `exclusive(mode)` stops new submissions, then "wait"s for what is in flight, "abort"s it
+  (re-run from scratch after the switch), "recompute"s its KV under the new weights, or "keep"s it; the loop is
+  paused and the prefix cache forgotten (switch.py), so no later request reads KV computed with other weights, and
+  every sampled token records the version that produced it.
 """
 
 from __future__ import annotations
@@ -14,8 +18,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-import time
-from dataclasses import dataclass, field
 
 import torch
 from transformers import GenerationConfig
@@ -26,63 +28,18 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 from transformers.generation.continuous_batching.utils import attn_mask_is_needed
 
 from ..batch import Row
-from ..config import WorkerConfig
+from ..config import WorkerConfig, check_in_flight
 from ..params import SamplingParams
 from . import memory  # noqa: F401  (patches upstream's memory plan for rollout_paged)
+from . import switch
+from .call import Call, Sample
+from .ledger import Ledger
 from .manager import RolloutManager
-from .episode import Episode
 from .router import RolloutRouter
 from .runner import RolloutModelRunner
 from .sampler import RowSpec
 from .scheduler import CHILD_SEPARATOR, SCHEDULER_NAME
 from .stepper import Stepper
-
-
-@dataclass(eq=False)
-class Sample:
-    """One requested sample: where it goes in the result, and its outcome. With an environment, the sample is a
-    multi-turn episode (`episode`), submitted once per model turn."""
-
-    call: "Call | None"
-    prompt_index: int
-    sample_index: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    stop_ids: tuple[int, ...]
-    attempts: int = 0
-    version: int = 0
-    row: Row | None = None
-    error: str | None = None
-    episode: Episode | None = None
-    prompt_tokens: int = 0  # tokens its engine requests were prompted with (forked samples: on the head sample)
-    reused_tokens: int = 0  # of those, tokens served by the prefix cache instead of prefilled
-
-    def context(self) -> list[int]:
-        """What the next engine request is prompted with: the prompt, plus an episode's history so far."""
-        return self.prompt_ids if self.episode is None else self.prompt_ids + self.episode.tokens
-
-    def budget(self) -> int:
-        """New tokens the next engine request may generate."""
-        if self.episode is None:
-            return self.params.max_new_tokens
-        return self.episode.turn_budget(self.params.max_new_tokens)
-
-
-@dataclass
-class Call:
-    """The samples of one generate call."""
-
-    samples: list[Sample] = field(default_factory=list)
-    failure: str | None = None
-    abandoned: bool = False  # timed out or interrupted: late outputs and environment steps are dropped
-
-    def __post_init__(self) -> None:
-        for sample in self.samples:
-            sample.call = self
-
-    def done(self) -> bool:
-        return all(s.row is not None for s in self.samples) or self.failure is not None
-
 
 # A seeded sample's generator is seeded with seed * SEED_STRIDE + sample index: a prime larger than any n, so the
 # samples of one seed never collide with those of another (seed s, sample i != seed s', sample i').
@@ -101,17 +58,21 @@ class Engine:
         self.num_aborted = 0  # samples aborted by weight updates and re-run
         self._cond = threading.Condition()
         self._ids = itertools.count()
+        self.num_recomputed = 0  # in-flight requests whose KV a "recompute" switch recomputed
         self._pending: dict[str, Sample] = {}  # engine request id -> sample
-        self._rerun: list[Sample] = []  # samples whose engine request failed; re-run by a waiting caller
-        self._sampling_logprobs: dict[str, list[float]] = {}
-        self._row_specs: dict[str, RowSpec] = {}
+        self._rerun: list[Sample] = []  # samples whose engine request failed; re-run by the supervisor
+        self._ledger = Ledger(lambda request_id: request_id in self._pending)
         self._stepping: set[Sample] = set()  # episodes whose environment step is running
+        self._calls: list[Call] = []  # submitted and not settled yet
         self._updating = False
+        self._closed = False
         self.num_prompt_tokens = 0  # every engine request's prompt tokens, and those served by the prefix cache
         self.num_reused_tokens = 0
         self._stepper = Stepper(config.env_threads)
         self._generator = torch.Generator(device=model.device).manual_seed(config.seed)
         self._manager = self._build_manager()
+        self._supervisor = threading.Thread(target=self._supervise, daemon=True, name="rollout-supervisor")
+        self._supervisor.start()
 
     # ------------------------------------------------------------------ lifecycle
     def _build_manager(self) -> ContinuousBatchingManager:
@@ -160,6 +121,10 @@ class Engine:
         return self._manager.is_running() and status.fatal_error is None
 
     def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._supervisor.join(timeout=30)
         self._stepper.shutdown()
         manager, self._manager = self._manager, None
         if manager is not None and manager._generation_thread is not None:
@@ -174,19 +139,18 @@ class Engine:
         self._manager = self._build_manager()
         self._rerun.extend(self._pending.values())
         self._pending.clear()
-        self._sampling_logprobs.clear()
-        self._row_specs.clear()
+        self._ledger.clear()
 
     # ------------------------------------------------------------------ engine-thread callbacks
     def _row_spec(self, request_id: str) -> RowSpec:
-        sampler = self._row_specs.get(request_id)
-        if sampler is None:  # a forked child: inherits its parent's params, its own generator if seeded
+        spec = self._ledger.specs.get(request_id)
+        if spec is None:  # a forked child: inherits its parent's params, its own generator if seeded
             sample = self._pending.get(request_id)
             if sample is None:  # abandoned (aborted, timed out) while the engine forks it: output is dropped
                 return RowSpec(SamplingParams(temperature=0.0))
-            sampler = self._make_row_spec(sample)
-            self._row_specs[request_id] = sampler
-        return sampler
+            spec = self._make_row_spec(sample)
+            self._ledger.specs[request_id] = spec
+        return spec
 
     def _make_row_spec(self, sample: Sample) -> RowSpec:
         seed = sample.params.seed
@@ -198,33 +162,33 @@ class Engine:
         return RowSpec(sample.params, gen)
 
     def _record(self, request_ids: list[str], values: list[float]) -> None:
-        for request_id, value in zip(request_ids, values):
-            self._sampling_logprobs.setdefault(request_id, []).append(value)
+        # the version changes only inside a pause of the loop, so it is the one whose weights ran this step
+        self._ledger.record(request_ids, values, self.version)
 
     def _on_output(self, output: GenerationOutput) -> None:
         with self._cond:
             sample = self._pending.pop(output.request_id, None)
-            sampling = self._sampling_logprobs.pop(output.request_id, [])
-            self._row_specs.pop(output.request_id, None)
+            sampling, versions = self._ledger.pop(output.request_id)
             if sample is None:  # cancelled by an abort fence, or already re-run
                 return
             if output.status == RequestStatus.FINISHED and output.error is None:
                 if sample.episode is None:
-                    sample.row = self._make_row(sample, output, sampling)
+                    sample.row = self._make_row(sample, output, sampling, versions)
                 else:
-                    self._step(sample, output, sampling)
+                    self._step(sample, output, sampling, versions)
             else:
                 sample.error = output.error or f"request ended with status {output.status!r}"
                 self._rerun.append(sample)
             self._cond.notify_all()
 
-    def _make_row(self, sample: Sample, output: GenerationOutput, sampling: list[float]) -> Row:
+    def _make_row(self, sample: Sample, output: GenerationOutput, sampling: list[float], versions: list[int]) -> Row:
         tokens = list(output.generated_tokens)
-        _check_logprobs(tokens, output.logprobs, sampling)
+        _check_logprobs(tokens, output.logprobs, sampling, versions)
         finish = "stop" if tokens and tokens[-1] in sample.stop_ids else "length"
+        versions = versions[: len(tokens)]
         return Row(sample.prompt_index, sample.sample_index, sample.prompt_ids, tokens, list(output.logprobs),
-                   sampling[: len(tokens)], finish, sample.version, prompt_tokens=sample.prompt_tokens,
-                   reused_tokens=sample.reused_tokens)
+                   sampling[: len(tokens)], finish, min(versions), prompt_tokens=sample.prompt_tokens,
+                   reused_tokens=sample.reused_tokens, token_versions=versions)
 
     def _on_prefix_hit(self, request_id: str, num_tokens: int) -> None:
         with self._cond:
@@ -234,13 +198,13 @@ class Engine:
                 sample.reused_tokens += num_tokens
 
     # ------------------------------------------------------------------ episodes
-    def _step(self, sample: Sample, output: GenerationOutput, sampling: list[float]) -> None:
+    def _step(self, sample: Sample, output: GenerationOutput, sampling: list[float], versions: list[int]) -> None:
         """A model turn of an episode finished (engine thread, lock held): record it and start its environment
         step off this thread."""
         tokens = list(output.generated_tokens)
-        _check_logprobs(tokens, output.logprobs, sampling)
+        _check_logprobs(tokens, output.logprobs, sampling, versions)
         episode = sample.episode
-        episode.add_turn(tokens, list(output.logprobs), sampling[: len(tokens)], sample.version)
+        episode.add_turn(tokens, list(output.logprobs), sampling[: len(tokens)], versions[: len(tokens)])
         self._stepping.add(sample)
         epoch = episode.epoch
         self._stepper.step(episode, sample.prompt_index, sample.sample_index, episode.timeout,
@@ -253,7 +217,7 @@ class Engine:
             if episode.epoch != epoch or sample not in self._stepping:  # reset or abandoned meanwhile
                 return
             self._stepping.discard(sample)
-            if sample.call.abandoned:
+            if sample.call.is_over():  # cancelled or failed meanwhile
                 self._stepper.close_env(episode.env)
                 return
             if episode.after_step(turn, error):
@@ -269,31 +233,50 @@ class Engine:
                          list(episode.logprobs), list(episode.sampling_logprobs), episode.finish_reason,
                          min(v for v in episode.token_versions if v >= 0), action_mask=list(episode.action_mask),
                          reward=episode.reward, num_turns=episode.num_turns, error=episode.error,
-                         prompt_tokens=sample.prompt_tokens, reused_tokens=sample.reused_tokens)
+                         prompt_tokens=sample.prompt_tokens, reused_tokens=sample.reused_tokens,
+                         token_versions=list(episode.token_versions))
 
     # ------------------------------------------------------------------ submission and waiting
-    def run(self, samples_by_prompt: list[list[Sample]], call: Call, timeout: float | None = None) -> Call:
-        """Submit every sample of a call, wait until each has a row, re-running what an engine death lost."""
+    def submit(self, samples_by_prompt: list[list[Sample]], call: Call) -> None:
+        """Accept a call: every sample is submitted now (after any weight switch in progress); the call settles on
+        the supervisor thread once it is over (`call.settled`)."""
         with self._cond:
             self._cond.wait_for(lambda: not self._updating)
+            self._calls.append(call)
             for group in samples_by_prompt:
                 self._submit(group)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            while not call.done():
-                self._heal()
-                with self._cond:
-                    self._cond.wait_for(call.done, timeout=0.05)
-                if deadline is not None and time.monotonic() > deadline and not call.done():
-                    done = sum(s.row is not None for s in call.samples)
-                    raise TimeoutError(f"generate timed out after {timeout}s with {done}/{len(call.samples)} rows "
-                                       "done")
-        except BaseException:  # timeout, Ctrl-C, ...: nothing of this call keeps running in the engine
-            self.abort_call(call)
-            raise
-        if call.failure is not None:
-            raise RuntimeError(call.failure)
-        return call
+            self._cond.notify_all()
+
+    def cancel(self, call: Call) -> None:
+        """Cancel what is left of a call (nothing of it keeps running) and settle it."""
+        with self._cond:
+            call.cancelled = True
+            self._release(call)
+            self._cond.notify_all()
+
+    def _supervise(self) -> None:
+        """Heal engine deaths and failed requests, and settle calls that are over, whether or not anyone waits."""
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._closed or bool(self._rerun) or any(c.is_over() for c in
+                                                                                       self._calls), timeout=0.05)
+                if self._closed:
+                    return
+            self._heal()
+            self._settle()
+
+    def _settle(self) -> None:
+        with self._cond:
+            over = [c for c in self._calls if c.is_over()]
+            self._calls = [c for c in self._calls if not c.is_over()]
+            for call in over:
+                self._release(call)  # a failed call's other samples stop too
+        for call in over:
+            try:
+                if call.on_over is not None:
+                    call.on_over(call)
+            finally:
+                call.settled.set()
 
     def _submit(self, group: list[Sample]) -> None:
         """Submit samples of one prompt as one engine request whose children are the other samples (called with
@@ -304,7 +287,7 @@ class Engine:
             sample.version = self.version
             sample.attempts += 1
             self._pending[request_id if i == 0 else f"{request_id}{CHILD_SEPARATOR}{i - 1}"] = sample
-        self._row_specs[request_id] = self._make_row_spec(head)
+        self._ledger.specs[request_id] = self._make_row_spec(head)
         context = head.context()
         self.num_prompt_tokens += len(context)
         head.prompt_tokens += len(context)
@@ -316,6 +299,8 @@ class Engine:
     def _heal(self) -> None:
         """If the engine died or requests failed, rebuild it and re-run the lost samples, each on its own."""
         with self._cond:
+            if self._manager is None:
+                return
             dead = not self.is_alive()
             if not dead and not self._rerun:
                 return
@@ -332,40 +317,52 @@ class Engine:
                 self._submit([sample])
             self._cond.notify_all()
 
-    def abort_call(self, call: Call) -> None:
-        """Cancel whatever of the call is still in the engine, drop its pending re-runs and its environment steps'
-        outcomes, and close its episodes' environments."""
-        with self._cond:
-            call.abandoned = True
-            self._rerun = [s for s in self._rerun if s.call is not call]
-            for sample in call.samples:
-                self._stepping.discard(sample)
-                if sample.episode is not None and sample.row is None:  # an ended episode closed its own
-                    self._stepper.close_env(sample.episode.env)
-            for request_id, sample in list(self._pending.items()):
-                if sample.call is call:
-                    self._pending.pop(request_id)
-                    self._manager.cancel_request(request_id)
+    def _release(self, call: Call) -> None:
+        """Cancel whatever of the call is still in the engine and release all it held there: pending re-runs,
+        environment steps' outcomes (its episodes' environments are closed) and per-request bookkeeping (lock
+        held)."""
+        self._rerun = [s for s in self._rerun if s.call is not call]
+        for sample in call.samples:
+            if sample in self._stepping or (sample.episode is not None and sample.row is None
+                                            and sample.episode.env is not None):
+                self._stepper.close_env(sample.episode.env)
+                sample.episode.env = None
+            self._stepping.discard(sample)
+        cancelled = [request_id for request_id, sample in self._pending.items() if sample.call is call]
+        for request_id in cancelled:
+            self._pending.pop(request_id)
+            self._manager.cancel_request(request_id)
+        self._ledger.drop(cancelled)
 
     # ------------------------------------------------------------------ weight-change fence
     @contextlib.contextmanager
-    def exclusive(self, abort_in_flight: bool, invalidate: bool = True):
-        """Hold the model alone: no new submission; in-flight work finished (or aborted, then re-run after the
-        block); loop paused; every prefix-cache hash forgotten (unless `invalidate` is False, for read-only use).
-        Inside, the caller may change weights in place."""
+    def exclusive(self, mode: str = "wait", invalidate: bool = True):
+        """Hold the model alone while the caller changes weights in place: no new submission, the loop paused, and
+        what is in flight handled by `mode`:
+        - "wait": it finishes first, on the old weights (whole episodes, environment steps included);
+        - "abort": it is cancelled, then re-run from scratch (episodes with a fresh environment) after the block;
+        - "recompute": it stays; after the block its KV is recomputed by the new weights before it samples again;
+        - "keep": it stays and continues on its old-weight KV (tokens after the switch are approximate).
+        After the block every prefix-cache hash is forgotten (unless `invalidate` is False, for read-only use)."""
+        check_in_flight(mode)
         with self._cond:
             self._cond.wait_for(lambda: not self._updating)
             self._updating = True
         aborted: list[Sample] = []
         try:
-            aborted = self._drain(abort_in_flight)
+            if mode == "wait":
+                self._drain()
+            elif mode == "abort":
+                aborted = self._abort_in_flight()
             with self._cond:
                 if not self.is_alive():
                     self._restart()
             with self._manager.pause():
-                if invalidate:
-                    self.forget_prefix_cache()
                 yield
+                if mode == "recompute":
+                    self.num_recomputed += switch.recompute_in_flight(self._manager)
+                if invalidate:
+                    switch.forget_prefix_cache(self._manager)
         finally:
             with self._cond:
                 self._updating = False
@@ -374,18 +371,27 @@ class Engine:
                     sample.attempts -= 1  # an abort is not a failure
                 self._cond.notify_all()
 
-    def _drain(self, abort_in_flight: bool) -> list[Sample]:
-        if not abort_in_flight:
-            while True:
-                self._heal()
-                with self._cond:
-                    if self._cond.wait_for(lambda: not self._pending and not self._rerun and not self._stepping,
-                                           timeout=0.05):
-                        return []
+    @contextlib.contextmanager
+    def paused(self):
+        """No forward runs inside (a no-op when the engine thread is not running)."""
+        if self._manager is None or not self.is_alive():
+            yield
+            return
+        with self._manager.pause():
+            yield
+
+    def _drain(self) -> None:
+        with self._cond:
+            while not self._cond.wait_for(lambda: not self._pending and not self._rerun and not self._stepping,
+                                          timeout=0.05):
+                pass
+
+    def _abort_in_flight(self) -> list[Sample]:
         with self._cond:
             aborted = list(self._pending.values()) + self._rerun + list(self._stepping)
             for request_id in self._pending:
                 self._manager.cancel_request(request_id)
+            self._ledger.drop(self._pending)
             self._pending.clear()
             self._rerun = []
             self._stepping.clear()
@@ -399,14 +405,11 @@ class Engine:
             return aborted
 
     def forget_prefix_cache(self) -> None:
-        """Evict cached blocks and drop every content hash, so no request can match KV from older weights."""
-        cache = self._manager.batch_processor.cache
-        cache.evict_cached_blocks()
-        for allocator in cache.cache_allocators.values():
-            allocator.ledger.hash_to_block.clear()
-            allocator.ledger.block_to_hash.clear()
+        """No request submitted from now on can match KV computed before (see switch.py)."""
+        switch.forget_prefix_cache(self._manager)
 
 
-def _check_logprobs(tokens: list[int], logprobs: list[float], sampling: list[float]) -> None:
-    if len(logprobs) != len(tokens) or len(sampling) < len(tokens):
-        raise RuntimeError(f"rollout: {len(tokens)} tokens but {len(logprobs)}/{len(sampling)} logprobs")
+def _check_logprobs(tokens: list[int], logprobs: list[float], sampling: list[float], versions: list[int]) -> None:
+    if len(logprobs) != len(tokens) or len(sampling) < len(tokens) or len(versions) < len(tokens):
+        raise RuntimeError(f"rollout: {len(tokens)} tokens but {len(logprobs)}/{len(sampling)} logprobs, "
+                           f"{len(versions)} versions")

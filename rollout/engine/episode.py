@@ -41,12 +41,12 @@ class Episode:
         """New tokens the next model turn may generate: its own budget, within what is left of the episode's."""
         return min(max_new_tokens, self.max_tokens - len(self.tokens))
 
-    def add_turn(self, tokens: list[int], logprobs: list[float], sampling: list[float], version: int) -> None:
+    def add_turn(self, tokens: list[int], logprobs: list[float], sampling: list[float], versions: list[int]) -> None:
         self.tokens += tokens
         self.logprobs += logprobs
         self.sampling_logprobs += sampling
         self.action_mask += [True] * len(tokens)
-        self.token_versions += [version] * len(tokens)
+        self.token_versions += versions
         self.num_turns += 1
         self.last_turn = list(tokens)
 
