@@ -1,10 +1,11 @@
 """What a weight switch does to the engine's cached KV, inside a pause of its loop (no forward runs meanwhile).
 
 - `forget_prefix_cache`: no request submitted after the switch may match KV computed by older weights. Unheld
-  cached blocks go back to the pool; blocks still held by in-flight requests (mode "keep") get a unique sentinel
+  cached blocks go back to the pool; blocks still held by in-flight requests (mode "keep") get a random sentinel
   hash instead of none, because upstream re-hashes a held block whose hash is missing the next time its request
-  completes a page, which would publish old-weight KV under a real content hash. A sentinel never equals a content
-  hash, and the hashes of later pages chain from it, so nothing computed before the switch is ever matched.
+  completes a page, which would publish old-weight KV under a real content hash. Content hashes are 64-bit blake2b
+  digests, so a random 64-bit sentinel equals one with probability 2^-64, and the hashes of later pages chain from
+  it: nothing computed before the switch is ever matched.
 - `recompute_in_flight` (mode "recompute"): every request the scheduler holds is soft reset the way upstream's own
   preemption does it (`RequestState.create_equivalent_initial_request`: the tokens generated so far are folded into
   the prompt, the request keeps its id and logprobs, its budget shrinks by what it generated) and requeued, so its
@@ -14,12 +15,9 @@
 
 from __future__ import annotations
 
-import itertools
+import secrets
 
 from transformers.generation.continuous_batching.requests import RequestStatus
-
-_SENTINELS = itertools.count(start=-(2**62), step=-1)  # content hashes are never this negative
-
 
 def forget_prefix_cache(manager) -> None:
     cache = manager.batch_processor.cache
@@ -29,7 +27,7 @@ def forget_prefix_cache(manager) -> None:
         ledger.hash_to_block.clear()
         ledger.block_to_hash.clear()
         for block in {b for table in allocator.block_table.values() for b in table}:
-            sentinel = next(_SENTINELS)
+            sentinel = secrets.randbits(64)
             ledger.block_to_hash[block] = sentinel
             ledger.hash_to_block[sentinel] = block
 
