@@ -342,6 +342,37 @@ def test_a_hung_actor_times_out_naming_it_and_its_replacement_rejoins_the_group(
     assert all(s["num_rows"] > b for s, b in zip(_stats(fleet), before))
 
 
+def test_an_update_lands_on_every_actor_while_a_submitted_call_is_in_flight(fleet, local):
+    old = copy.deepcopy(local)
+    prompts = [prompt_of(6 + 5 * i, 90 + i) for i in range(6)]
+    params = [SamplingParams(n=2, max_new_tokens=300, ignore_eos=True)] * len(prompts)
+    future = fleet.submit(prompts, params)
+    deadline = time.monotonic() + 60
+    while not all(s["busy"] for s in _stats(fleet)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # tokens are being sampled on both actors
+    weights = perturbed(local, seed=5)
+    local.load_state_dict(weights)
+    assert fleet.update_weights(weights, version=10, in_flight="recompute") == 10  # does not wait for the call
+    assert not future.done()
+    batch = future.result(timeout=300)
+    assert fleet.weights_fingerprint() == fingerprint(local) and {s["version"] for s in _stats(fleet)} == {10}
+    spans = [set(batch.token_versions[r, : int(batch.completion_lengths[r])].tolist()) for r in range(len(batch))]
+    assert all(s == {9, 10} for s in spans), spans  # every row really spans the switch
+    for r, completion in enumerate(batch.completion_token_lists()):
+        i, n = int(batch.prompt_index[r]), len(completion)
+        versions = batch.token_versions[r, :n]
+        for model, version in ((old, 9), (local, 10)):
+            full, _ = reference_logprobs(model, prompts[i], completion)
+            at = versions == version
+            assert torch.allclose(batch.logprobs[r, :n][at], full[at], atol=TOL)
+    cancelled = fleet.submit(prompts, params)
+    time.sleep(0.3)
+    assert cancelled.cancel() and cancelled.done()
+    again = fleet.generate(prompts[:2], [SamplingParams(n=1, max_new_tokens=5)] * 2)
+    assert_exact(local, again, prompts[:2], [SamplingParams(n=1, max_new_tokens=5)] * 2)
+
+
 def test_close_stops_every_actor_and_the_ray_it_started(fleet):
     actors = fleet.actors
     fleet.close()

@@ -63,7 +63,8 @@ class FleetActor:
         try:
             episodes = {} if spec is None else \
                 dict(spec.kwargs(), env=_Reindexed(spec.env, indices or list(range(len(prompts)))))
-            batch = self.worker.generate(prompts, sampling=sampling, **episodes)
+            self._future = self.worker.submit(prompts, sampling=sampling, **episodes)
+            batch = self._future.result()
         finally:
             self.busy = False
         grouped: list[list] = [[] for _ in prompts]
@@ -82,8 +83,14 @@ class FleetActor:
             self.num_calls += 1
 
     # ------------------------------------------------------------------ weights
-    def update_weights(self, weights: dict, version: int, full: bool = False) -> int:
-        return self.worker.update_weights(from_shared(weights), version=version, full=full)
+    def cancel(self) -> None:
+        """Cancel the generate in flight (control group: runs beside it)."""
+        future = getattr(self, "_future", None)
+        if future is not None:
+            future.cancel()
+
+    def update_weights(self, weights: dict, version: int, full: bool = False, in_flight: str = "wait") -> int:
+        return self.worker.update_weights(from_shared(weights), version=version, full=full, in_flight=in_flight)
 
     def sync(self, version: int, *updates: dict) -> tuple[int, str]:
         """Bring a fresh actor to the fleet's weights: apply `updates` in order (a peer's state dict, or the
@@ -105,10 +112,11 @@ class FleetActor:
         self.group = WeightGroup(backend, host, port, rank, world_size, timeout_s)
         return rank
 
-    def receive_weights(self, buckets: list[Bucket], version: int, full: bool = False) -> int:
+    def receive_weights(self, buckets: list[Bucket], version: int, full: bool = False, in_flight: str = "wait") -> int:
         if self.group is None:
             raise RuntimeError("receive_weights before join_group: this actor is in no weight group")
-        return self.worker.update_weights(self.group.receive(buckets), version=version, full=full)
+        return self.worker.update_weights(self.group.receive(buckets), version=version, full=full,
+                                          in_flight=in_flight)
 
     def close(self) -> None:
         self.group = None

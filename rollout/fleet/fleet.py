@@ -25,6 +25,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -41,14 +42,17 @@ from ..batch import RolloutBatch
 from .collective import WeightGroup, free_port, layout
 from ..config import WorkerConfig
 from .dispatch import Dispatcher
+from ..config import check_in_flight
 from ..env import EnvFactory, EpisodeSpec
 from ..errors import invalid
 from ..prompts import prepare_call
 from .resources import FleetResources
 from ..weights import plan_update
 
+POLL_S = 0.1  # how often a call waiting for actors checks for cancellation
 MAX_START_FAILURES = 3  # consecutive failed starts of one actor before the fleet gives up
-_Actor = ray.remote(concurrency_groups={"control": 2})(FleetActor)
+# "weights": an update runs beside a generate in flight (its in_flight mode decides what happens to it)
+_Actor = ray.remote(concurrency_groups={"control": 2, "weights": 1})(FleetActor)
 
 
 class RolloutFleet:
@@ -72,7 +76,8 @@ class RolloutFleet:
         self._state_names = set(self._shapes.state_dict())
         self.vocab_size = int(self._shapes.get_output_embeddings().weight.shape[0])
         self.max_context = getattr(model_config.get_text_config(), "max_position_embeddings", None)
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # fleet state; never held across a wait for actors' results
+        self._calls = ThreadPoolExecutor(1, thread_name_prefix="rollout-fleet")  # submitted calls, in order
         self._actors, self._starting, self._down, self._pg, self._group = [], {}, set(), None, None
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
@@ -98,27 +103,43 @@ class RolloutFleet:
                  max_episode_tokens: int | None = None, env_timeout: float | None = 300.0) -> RolloutBatch:
         """RolloutWorker.generate across the fleet: validated here, rows prompt-major in input order. `env` travels
         to the actors (it must pickle) and is called there with the call's own prompt indices."""
+        future = self.submit(prompts, sampling, chat_template, env, max_turns, max_episode_tokens, env_timeout,
+                             timeout=timeout)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
+
+    def submit(self, prompts: Sequence[Any], sampling=None, chat_template: bool = False,
+               env: EnvFactory | None = None, max_turns: int = 1, max_episode_tokens: int | None = None,
+               env_timeout: float | None = 300.0, timeout: float | None = None) -> "FleetFuture":
+        """Validate here, then run the call in the background and return at once. Calls run one after another;
+        `update_weights` may run while one is in flight (each actor applies it under the chosen in_flight mode)."""
         spec = EpisodeSpec.of(env, max_turns, max_episode_tokens, env_timeout)
         token_lists, params = prepare_call(prompts, sampling, self.tokenizer, chat_template, self.vocab_size,
                                            self.max_context, self.max_request_tokens)
         limit = min(self.max_context or self.max_request_tokens, self.max_request_tokens)
         budgets = [p.max_new_tokens if spec is None else spec.budget(len(ids), limit, f"prompt {i}")
                    for i, (ids, p) in enumerate(zip(token_lists, params))]
+        cancel = threading.Event()
+        return FleetFuture(self._calls.submit(self._run_call, token_lists, params, budgets, spec, timeout, cancel),
+                           cancel)
+
+    def _run_call(self, token_lists, params, budgets, spec: EpisodeSpec | None, timeout: float | None,
+                  cancel: threading.Event) -> RolloutBatch:
         costs = [len(ids) + p.n * min(b, p.max_new_tokens * (1 if spec is None else spec.max_turns))
                  for ids, p, b in zip(token_lists, params, budgets)]
 
         def submit(actor, jobs: list[int]):
             return actor.generate.remote([token_lists[j] for j in jobs], [params[j] for j in jobs], spec, jobs)
 
-        with self._lock:
-            grouped = self._scatter(costs, submit, timeout, [p.n for p in params], "generate", ("prompts", "rows"))
-            version = self.version
+        grouped = self._scatter(costs, submit, timeout, [p.n for p in params], "generate", ("prompts", "rows"), cancel)
         rows = [dataclasses.replace(row, prompt_index=j, prompt_ids=list(token_lists[j]))
                 for j in range(len(token_lists)) for row in sorted(grouped[j], key=lambda r: r.sample_index)]
-        stale = [r for r in rows if r.policy_version != version]
-        if stale:
-            raise RuntimeError(f"rollout bug: {len(stale)} rows from version {stale[0].policy_version}, fleet is at "
-                               f"{version}")
+        newest = max((max(r.token_versions or [r.policy_version]) for r in rows), default=0)
+        if newest > self.version:
+            raise RuntimeError(f"rollout bug: a row from version {newest}, fleet is at {self.version}")
         pad = getattr(self.tokenizer, "pad_token_id", None)
         return RolloutBatch.from_rows(rows, pad_token_id=pad if pad is not None else 0, tokenizer=self.tokenizer)
 
@@ -135,12 +156,17 @@ class RolloutFleet:
             return actor.score.remote([prompts[j] for j in jobs], [completions[j] for j in jobs], temp, kwargs)
 
         costs = [max(1, len(p) + len(c)) for p, c in zip(prompts, completions)]
-        with self._lock:
-            scores = self._scatter(costs, submit, timeout, [1] * len(costs), "score", ("pairs", "pairs"))
+        scores = self._scatter(costs, submit, timeout, [1] * len(costs), "score", ("pairs", "pairs"))
         return [scores[j] for j in range(len(costs))]
 
-    def update_weights(self, weights, version: int | None = None, full: bool = False) -> int:
-        """Validate here (as the worker does), send once, apply atomically on every actor, check they agree."""
+    def update_weights(self, weights, version: int | None = None, full: bool = False,
+                       in_flight: str | None = None) -> int:
+        """Validate here (as the worker does), send once, apply atomically on every actor, check they agree.
+        A generate in flight goes on: each actor applies the update under `in_flight` (default
+        `config.in_flight`: "wait", "abort", "recompute" or "keep"; docs/async.md). Updates are applied in the same
+        order on every actor, one at a time."""
+        mode = self.config.in_flight if in_flight is None else in_flight
+        check_in_flight(mode)
         items = list(weights.items()) if isinstance(weights, dict) else list(weights)
         plan_update(self._shapes, items, full=full)
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
@@ -150,9 +176,10 @@ class RolloutFleet:
             new_version = self.version + 1 if version is None else version
             self._await_starts()
             ref = None
-            if self._group is None or not self._broadcast(items, new_version, full):  # else the object store
+            if self._group is None or not self._broadcast(items, new_version, full, mode):  # else the object store
                 ref = ray.put(to_shared(items))  # one copy into shared memory; actors read it in place
-                self._on_ready(lambda actor: actor.update_weights.remote(ref, new_version, full))
+                self._on_ready(lambda actor: actor.update_weights.options(concurrency_group="weights").remote(
+                    ref, new_version, full, mode))
             self.version = new_version
             if ref is None or self._state_names <= {name for name, _ in items}:
                 self._log = [ref] if ref is not None else None
@@ -184,6 +211,7 @@ class RolloutFleet:
 
     def close(self) -> None:
         """Stop every actor (engines first, briefly), the placement group, and Ray if this fleet started it."""
+        self._calls.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             ready = [self._actors[slot] for slot in sorted(self._ready())]  # a starting actor is just killed
             actors, self._actors, self._starting, self._group = [a for a in self._actors if a], [], {}, None
@@ -207,34 +235,43 @@ class RolloutFleet:
 
     # ------------------------------------------------------------------ work across actors
     def _scatter(self, costs: list[int], submit: Callable, timeout: float | None, units: list[int], what: str,
-                 names: tuple[str, str]) -> dict[int, Any]:
-        """Run every job on some actor, by load; survive deaths; job index -> result."""
+                 names: tuple[str, str], cancel: threading.Event | None = None) -> dict[int, Any]:
+        """Run every job on some actor, by load; survive deaths; job index -> result. The fleet's lock is taken for
+        each round of bookkeeping and released while waiting, so an update can land meanwhile."""
         deadline = None if timeout is None else time.monotonic() + timeout
         plan = Dispatcher(costs, range(self.num_workers), self.chunks_per_worker)
-        for slot in sorted(self._down):  # left down by an interrupted update
-            self._replace(slot)
         inflight: dict[Any, tuple[int, Any]] = {}  # object ref -> (slot, chunk)
         results: dict[int, Any] = {}
         try:
+            with self._lock:
+                for slot in sorted(self._down):  # left down by an interrupted update
+                    self._replace(slot)
             while not plan.finished:
-                for slot, chunk in plan.assign(self._ready()):
-                    inflight[submit(self._actors[slot], list(chunk.jobs))] = (slot, chunk)
-                waiting = list(inflight) + list(self._starting.values())
-                if not waiting:
-                    raise RuntimeError(f"RolloutFleet.{what}: no actor is running or starting")
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    self._time_out(plan, results, units, timeout, what, names)
-                done, _ = ray.wait(waiting, num_returns=1, timeout=remaining)
-                for ref in done:
-                    if ref in inflight:
-                        self._collect(ref, inflight, plan, results, names[0])
-                    else:
-                        self._started(next(s for s, r in self._starting.items() if r == ref))
+                with self._lock:
+                    for slot, chunk in plan.assign(self._ready()):
+                        inflight[submit(self._actors[slot], list(chunk.jobs))] = (slot, chunk)
+                    waiting = list(inflight) + list(self._starting.values())
+                    if not waiting:
+                        raise RuntimeError(f"RolloutFleet.{what}: no actor is running or starting")
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        self._time_out(plan, results, units, timeout, what, names)
+                if cancel is not None and cancel.is_set():
+                    raise CancelledError(f"RolloutFleet.{what} was cancelled")
+                done, _ = ray.wait(waiting, num_returns=1, timeout=POLL_S if remaining is None else
+                                   min(POLL_S, remaining))
+                with self._lock:
+                    for ref in done:
+                        if ref in inflight:
+                            self._collect(ref, inflight, plan, results, names[0])
+                        elif ref in self._starting.values():
+                            self._started(next(s for s, r in self._starting.items() if r == ref))
         finally:
-            for ref in inflight:  # after an error: queued chunks are dropped (a running one cannot be interrupted)
-                with contextlib.suppress(Exception):
-                    ray.cancel(ref)
+            with self._lock:
+                for ref, (slot, _) in inflight.items():  # after an error: nothing of the call keeps running
+                    with contextlib.suppress(Exception):
+                        ray.cancel(ref)
+                        self._actors[slot].cancel.options(concurrency_group="control").remote()
         return results
 
     def _collect(self, ref, inflight: dict, plan: Dispatcher, results: dict, jobs_name: str) -> None:
@@ -279,7 +316,7 @@ class RolloutFleet:
         return values, lost
 
     # ------------------------------------------------------------------ weights
-    def _broadcast(self, items: list, version: int, full: bool) -> bool:
+    def _broadcast(self, items: list, version: int, full: bool, mode: str) -> bool:
         """Update over the torch.distributed group; False when it failed and the object store must be used."""
         _, lost = self._on_ready(lambda actor: actor.info.options(concurrency_group="control").remote())
         if lost or self._group_stale:  # membership changed: rebuild the group with the actors there are now
@@ -289,7 +326,8 @@ class RolloutFleet:
             self.init_weight_group(self._group.backend)
         buckets = layout(items, bucket_mb=256)
         slots = sorted(self._ready())
-        refs = [self._actors[s].receive_weights.remote(buckets, version, full) for s in slots]
+        refs = [self._actors[s].receive_weights.options(concurrency_group="weights").remote(buckets, version, full,
+                                                                                             mode) for s in slots]
         try:
             self._group.send(buckets, dict(items))
             ray.get(refs)
@@ -412,3 +450,27 @@ class RolloutFleet:
             raise RuntimeError(f"placement group of {self.num_workers} x {bundle} ({strategy}) could not be placed "
                                f"in {timeout_s}s; cluster has {ray.cluster_resources()}") from None
         return pg
+
+
+class FleetFuture:
+    """A submitted fleet call: `done()`, `result(timeout=None)`, `cancel()` (what the actors still run of it is
+    cancelled too)."""
+
+    def __init__(self, future: Future, cancel: threading.Event) -> None:
+        self._future, self._cancel = future, cancel
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> RolloutBatch:
+        return self._future.result(timeout)
+
+    def cancel(self) -> bool:
+        if self._future.cancel():  # not started yet
+            return True
+        if self._future.done():
+            return False
+        self._cancel.set()
+        with contextlib.suppress(BaseException):
+            self._future.result()
+        return True
