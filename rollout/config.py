@@ -32,8 +32,9 @@ class WorkerConfig:
     seed: seed of the worker's own sampling generator (the global torch RNG is never touched).
     max_retries: times a request is re-run after the engine died under it before the call fails.
     attn_implementation: attention used by the engine: "auto" (default: "rollout_paged" on CPU, the model's own
-        elsewhere), "rollout_paged" (rollout/attention.py: no dense mask, batched decode), "sdpa", "paged|eager", a
-        flash implementation, or None to keep the model's. The owner's attention is restored between calls.
+        elsewhere), "rollout_paged" (rollout/engine/attention.py: no dense mask, batched decode), "sdpa",
+        "paged|eager", a flash implementation, or None to keep the model's. The owner's attention is restored
+        between calls.
     """
 
     page_size: int = 16
