@@ -3,9 +3,11 @@
 from .batch import RolloutBatch
 from .config import WorkerConfig
 from .params import SamplingParams
+from .rollouts import Rollouts
 
 __version__ = "0.1.0"
-__all__ = ["FleetResources", "RolloutBatch", "RolloutFleet", "RolloutWorker", "SamplingParams", "WorkerConfig", "score"]
+__all__ = ["FleetResources", "RolloutBatch", "RolloutFleet", "RolloutWorker", "Rollouts", "SamplingParams",
+           "WorkerConfig", "score"]
 
 
 def __getattr__(name: str):  # heavy imports (transformers, Ray) only when used: `rollout --help` stays instant
