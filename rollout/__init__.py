@@ -4,10 +4,11 @@ from .batch import RolloutBatch
 from .config import WorkerConfig
 from .env import Environment, EpisodeSpec, Turn
 from .params import SamplingParams
+from .rollouts import Rollouts
 
 __version__ = "0.1.0"
 __all__ = ["Environment", "EpisodeSpec", "FleetResources", "RolloutBatch", "RolloutFleet", "RolloutWorker",
-           "SamplingParams", "ToolEnvironment", "Turn", "WorkerConfig", "score"]
+           "Rollouts", "SamplingParams", "ToolEnvironment", "Turn", "WorkerConfig", "score"]
 
 
 def __getattr__(name: str):  # heavy imports (transformers, Ray) only when used: `rollout --help` stays instant

@@ -12,8 +12,6 @@ from typing import Any, Sequence
 
 import torch
 
-FINISH_REASONS = ("stop", "length")
-
 
 @dataclass(frozen=True)
 class Row:

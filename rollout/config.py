@@ -43,8 +43,9 @@ class WorkerConfig:
     env_threads: threads that run environments' synchronous `step` calls (and `make_env`) of multi-turn episodes, so
         that many slow steps overlap; a step that outlives `env_timeout` keeps its thread until it returns.
     attn_implementation: attention used by the engine: "auto" (default: "rollout_paged" on CPU, the model's own
-        elsewhere), "rollout_paged" (rollout/attention.py: no dense mask, batched decode), "sdpa", "paged|eager", a
-        flash implementation, or None to keep the model's. The owner's attention is restored between calls.
+        elsewhere), "rollout_paged" (rollout/engine/attention.py: no dense mask, batched decode), "sdpa",
+        "paged|eager", a flash implementation, or None to keep the model's. The owner's attention is restored
+        between calls.
     """
 
     page_size: int = 16

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+PREVIEW_CHARS = 60  # longest value an error message shows in full
+
 
 def invalid(field: str, value: object, rule: str, fix: str, where: str = "") -> ValueError:
     """Build the ValueError every config and request check raises.
@@ -12,7 +14,23 @@ def invalid(field: str, value: object, rule: str, fix: str, where: str = "") -> 
     return ValueError(f"{prefix}{field}={value!r} is invalid: {rule}. Fix: {fix}.")
 
 
-def check_int(name: str, value: object, minimum: int, fix: str) -> None:
-    """An int (not a bool) >= minimum, or the ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise invalid(name, value, f"must be an integer >= {minimum}", fix)
+def check_int(name: str, value: object, minimum: int, fix: str, maximum: int | None = None) -> None:
+    """An int (not a bool) >= minimum (and <= maximum when given), or the ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or \
+            (maximum is not None and value > maximum):
+        bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise invalid(name, value, f"must be an integer {bounds}", fix)
+
+
+class Preview(str):
+    """A value's repr, cut to PREVIEW_CHARS. Its own repr is itself, so `invalid(field, preview(v), ...)` and
+    f"{preview(v)}" both show the value's repr once (a prompt of text shows as 'text', a list as [1, 2])."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def preview(value: object) -> Preview:
+    """What an error message shows of a value that may be huge (a prompt, a record, a list of ids)."""
+    text = repr(value)
+    return Preview(text if len(text) <= PREVIEW_CHARS else text[: PREVIEW_CHARS - 3] + "...")

@@ -77,13 +77,3 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
-
-    @classmethod
-    def from_dict(cls, values: dict) -> "SamplingParams":
-        """Build from a plain dict (JSONL records, CLI); an unknown key is a ValueError naming it."""
-        known = set(cls.__dataclass_fields__)
-        for key in values:
-            if key not in known:
-                raise invalid(key, values[key], "is not a sampling field", f"use one of {sorted(known)}")
-        return cls(**values)
-

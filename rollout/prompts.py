@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import invalid
+from .errors import invalid, preview
 from .params import SamplingParams
 
 
@@ -21,14 +21,14 @@ def _one(prompt: Any, index: int, tokenizer: Any, chat_template: bool) -> list[i
     where = f"prompt {index}"
     if isinstance(prompt, str) or (chat_template and _is_messages(prompt)):
         if tokenizer is None:
-            raise invalid("prompt", _preview(prompt), "text prompts need a tokenizer",
+            raise invalid("prompt", preview(prompt), "text prompts need a tokenizer",
                           "pass tokenizer=... to RolloutWorker, or give token ids", where)
         return _encode(prompt, tokenizer, chat_template)
     if hasattr(prompt, "tolist"):
         prompt = prompt.tolist()
     if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                         for t in prompt):
-        raise invalid("prompt", _preview(prompt), "must be a list of int token ids, a string, or chat messages",
+        raise invalid("prompt", preview(prompt), "must be a list of int token ids, a string, or chat messages",
                       "pass token ids such as [1, 2, 3]", where)
     return list(prompt)
 
@@ -44,11 +44,6 @@ def _encode(prompt: Any, tokenizer: Any, chat_template: bool) -> list[int]:
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         return list(ids)
     return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-
-
-def _preview(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def sampling_per_prompt(sampling: SamplingParams | Sequence[SamplingParams] | None,

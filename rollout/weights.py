@@ -13,10 +13,20 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import check_int
+
 
 @dataclass(frozen=True)
 class UpdatePlan:
     copies: list[tuple[torch.Tensor, torch.Tensor]]  # (destination in the model, validated source)
+
+
+def check_version(version: int | None) -> None:
+    """The version an update or refresh is tagged with: None (increment) or an int >= 0. Checked before anything
+    changes (by the worker and, on the caller's side, the fleet), so a bad version leaves weights and version as they
+    were."""
+    if version is not None:
+        check_int("version", version, 0, "pass e.g. the trainer's step number, or None to increment")
 
 
 def named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import os
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
@@ -26,6 +25,7 @@ from .batch import RolloutBatch
 from .config import WorkerConfig
 from .engine import (Call, Engine, Episode, Sample, current_attn_implementation, resolve_attn_implementation,
                      set_attn_implementation)
+from .loading import load_model, loading_attention, pad_token_id
 from .prompts import prepare_call
 from .config import check_in_flight
 from .env import EnvFactory, EpisodeSpec
@@ -46,7 +46,8 @@ def _close_all() -> None:  # the engine thread is a daemon, so exit never hangs;
 class RolloutWorker:
     def __init__(self, model_or_path: Any, config: WorkerConfig | None = None, tokenizer: Any = None) -> None:
         self.config = config if config is not None else WorkerConfig()
-        self.model, self.tokenizer = _load(model_or_path, tokenizer, self.config)
+        self.model, self.tokenizer = load_model(model_or_path, tokenizer,
+                                                attn_implementation=loading_attention(self.config.attn_implementation))
         self.owns_model = not hasattr(model_or_path, "forward")
         self._user_attn = current_attn_implementation(self.model)
         engine_attn = resolve_attn_implementation(self.config.attn_implementation, self.model)
@@ -119,8 +120,7 @@ class RolloutWorker:
 
     def _batch_of(self, call: Call) -> RolloutBatch:
         rows = sorted((s.row for s in call.samples), key=lambda r: (r.prompt_index, r.sample_index))
-        pad = self.tokenizer.pad_token_id if self.tokenizer is not None and self.tokenizer.pad_token_id is not None else 0
-        return RolloutBatch.from_rows(rows, pad_token_id=pad, tokenizer=self.tokenizer)
+        return RolloutBatch.from_rows(rows, pad_token_id=pad_token_id(self.tokenizer), tokenizer=self.tokenizer)
 
     def _prepare(self, prompts, sampling, chat_template, spec: EpisodeSpec | None = None) -> list[list[Sample]]:
         max_context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
@@ -178,7 +178,7 @@ class RolloutWorker:
                        version: int | None = None, full: bool = False, in_flight: str | None = None) -> int:
         """Copy new weights in place, atomically: every tensor is validated before any parameter changes.
         `in_flight` as in `refresh`."""
-        _check_version(version)
+        weights_mod.check_version(version)
         plan = weights_mod.plan_update(self.model, weights, full=full)
         with self.weight_update(version, in_flight) as bump:
             weights_mod.apply_update(plan)
@@ -189,7 +189,7 @@ class RolloutWorker:
         """Change the weights in place inside this block (e.g. a shared model's `optimizer.step()`): no forward runs
         meanwhile, what is in flight is handled by `in_flight`, and the version is bumped (to `version`, or + 1)
         when the block ends. `as bump` gives a function that bumps early and returns the new version."""
-        _check_version(version)
+        weights_mod.check_version(version)
         mode = self.config.in_flight if in_flight is None else in_flight
         check_in_flight(mode)
         bumped: list[int] = []
@@ -233,34 +233,3 @@ class RolloutWorker:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _loading_attn(config: WorkerConfig) -> str:
-    """The attention a checkpoint is loaded with (the owner's; the engine's is set afterwards)."""
-    return "sdpa" if config.attn_implementation in (None, "auto") else config.attn_implementation
-
-
-def _check_version(version: int | None) -> None:
-    """Checked before anything changes, so a bad version leaves weights and version as they were."""
-    if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
-        raise ValueError(f"version={version!r} is invalid: must be a non-negative int. Fix: pass e.g. the "
-                         "trainer's step number, or None to increment.")
-
-
-def _load(model_or_path: Any, tokenizer: Any, config: WorkerConfig):
-    if hasattr(model_or_path, "forward"):
-        return model_or_path, tokenizer
-    path = os.fspath(model_or_path)
-    if not os.path.isdir(path):
-        raise ValueError(f"model_or_path={path!r} is invalid: not a model object nor a local checkpoint directory. "
-                         "Fix: pass a PreTrainedModel or the directory written by save_pretrained.")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
-                                                 attn_implementation=_loading_attn(config)).to(device)
-    if tokenizer is None:
-        with contextlib.suppress(Exception):
-            tokenizer = AutoTokenizer.from_pretrained(path)
-    return model, tokenizer

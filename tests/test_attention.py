@@ -179,28 +179,6 @@ def test_without_a_mask_the_cache_is_sized_by_memory_not_by_the_mask_cap(tiny):
         assert uncapped.engine.max_request_tokens >= 16 * 2**20 // 512 // 2
 
 
-def test_the_upstream_pieces_rollout_paged_relies_on_keep_their_shape():
-    """An upgrade that moves any of these must fail here, not silently fall back to a dense mask or crash the loop."""
-    import inspect
-
-    from transformers.generation.continuous_batching.cache_allocators.full_attention import (
-        FullAttentionCacheAllocator)
-    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
-    from transformers.generation.continuous_batching.input_outputs import PagedAttentionArgs
-    from transformers.generation.continuous_batching.utils import attn_mask_is_needed
-
-    assert list(inspect.signature(FullAttentionCacheAllocator.update).parameters) == [
-        "self", "key_states", "value_states", "layer_idx", "read_index", "write_index"]
-    assert {"switch_to_cb_friendly_attn", "_run_generation_loop"} <= set(vars(ContinuousBatchingManager))
-    assert {"cu_seq_lens_q", "cu_seq_lens_k", "read_index", "write_index", "cache"} <= set(
-        PagedAttentionArgs.__annotations__)
-
-    class Config:
-        _attn_implementation = NAME
-
-    assert not attn_mask_is_needed(Config())
-
-
 def test_a_large_kv_budget_is_not_charged_for_a_mask_that_is_never_built(tiny):
     # upstream's plan charged rollout_paged a dense [4096, 2M-token] mask (34 GB) and refused to start
     model, _ = tiny

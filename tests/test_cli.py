@@ -165,10 +165,11 @@ def test_sigterm_mid_run_leaves_whole_rows_and_a_rerun_completes(tiny_path, tmp_
         return real(*args)
 
     monkeypatch.setattr(records, "generate_rows", killed_on_second_chunk)
+    before = signal.getsignal(signal.SIGTERM)  # SIG_DFL, or e.g. Ray's if an earlier test started Ray
     code, err = call(argv, capsys)
     assert code == 130 and "interrupted; 2 complete rows" in err, err
     assert [r["i"] for r in read_jsonl(dst)] == [0, 1]
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is only installed during a run
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is only installed during a run
     monkeypatch.setattr(records, "generate_rows", real)
     code, err = call(argv, capsys)
     assert code == 0 and "generated 4 rows (2 already done)" in err, err

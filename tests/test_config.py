@@ -37,12 +37,6 @@ def test_sampling_params_are_frozen_and_normalise_stop_ids():
         params.n = 2  # type: ignore[misc]
 
 
-def test_sampling_params_from_a_record_rejects_unknown_fields():
-    assert SamplingParams.from_dict({"n": 2, "top_p": 0.9}) == SamplingParams(n=2, top_p=0.9)
-    with pytest.raises(ValueError, match="temprature=0.5 is invalid: is not a sampling field"):
-        SamplingParams.from_dict({"temprature": 0.5})
-
-
 @pytest.mark.parametrize("kwargs, message", [
     ({"page_size": 2}, "page_size=2 is invalid: must be an integer >= 4"),
     ({"num_blocks": 0}, "num_blocks=0 is invalid"),

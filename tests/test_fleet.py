@@ -178,6 +178,9 @@ def _stats(fleet) -> list[dict]:
 
 
 def test_rows_come_back_in_input_order_and_equal_a_plain_forward(fleet, local):
+    from rollout import Rollouts
+
+    assert isinstance(fleet, Rollouts)  # what trainers type against, as a RolloutWorker is
     prompts = [prompt_of(n, seed) for seed, n in enumerate([3, 17, 5, 40, 9, 1, 28, 12])]
     params = [SamplingParams(n=1 + i % 3, temperature=[1.0, 0.0, 0.7][i % 3], top_k=[0, 0, 20][i % 3],
                              max_new_tokens=8 + 4 * i) for i in range(len(prompts))]

@@ -218,8 +218,8 @@ def test_invalid_pairs_raise_naming_the_pair_field_value_and_fix_before_any_comp
     (dict(temperature=-1.0), r"temperature=-1.0 is invalid: must be a finite number >= 0"),
     (dict(temperature=math.nan), r"temperature=nan is invalid"),
     (dict(temperature=[1.0]), r"temperature=\[1.0\] is invalid: must be one number or one per pair \(2\)"),
-    (dict(max_batch_tokens=0), r"max_batch_tokens=0 is invalid: must be a positive int"),
-    (dict(top_k=513), r"top_k=513 is invalid: must be an int in \[0, 512\]"),
+    (dict(max_batch_tokens=0), r"max_batch_tokens=0 is invalid: must be an integer >= 1"),
+    (dict(top_k=513), r"top_k=513 is invalid: must be an integer in \[0, 512\]"),
 ])
 def test_invalid_options_raise_with_the_fix(tiny, kwargs, message):
     model, _ = tiny

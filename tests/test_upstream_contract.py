@@ -1,25 +1,126 @@
-"""What this project relies on in transformers' continuous-batching engine. An upgrade that changes any of it
-must fail here, loudly, before it silently breaks exactness or robustness."""
+"""What this project relies on inside transformers' continuous-batching engine (and one private torch kernel). An
+upgrade that changes any of it must fail here, loudly, before it silently breaks exactness or robustness.
+
+Upstream offers no public extension points for what the engine layer needs (per-row sampling with exact logprobs,
+a daemon loop thread, our own request ids and children, a mask-free attention, a loop that can die and be rebuilt),
+so rollout/engine/ (and only it: tests/test_layout.py) reaches into it. Every such hook, where it is used and why:
+
+Private attributes and methods (`test_the_hook_list_is_complete` checks this list against the engine's source):
+- `ModelRunner._forward_process_and_sample` (runner.py overrides it): forward + logits processing + sampling in one
+  method; ours samples every row with its own params and computes both logprobs from the same logits.
+- `FIFOScheduler._schedule_request` (scheduler.py overrides it): where a prompt's n samples are forked; a 1-token
+  remainder forks with a 0-token forward that kills the loop, so ours splits those children first.
+- `ContinuousBatchingManager._create_batch_processor` (core.py calls it before starting): builds the batch processor
+  (and its model runner) ahead of the loop so the runner can be swapped for ours; the loop reuses that processor.
+- `ContinuousBatchingManager._run_generation_loop` (manager.py wraps it, core.py starts it): the loop body, run on
+  a daemon thread of ours (upstream's `start()` makes a non-daemon one that hangs interpreter exit).
+- `ContinuousBatchingManager._generation_thread` (core.py sets and reads it): the loop thread `is_running()`/`stop()`
+  look at.
+- `ContinuousBatchingManager._wake_up_loop` (core.py sets it): `add_request` cannot submit a RequestState with our
+  request id, children and eos list, so core.py puts it on `input_queue` itself and wakes the idle loop the same way.
+- `config._attn_implementation` (attention.py, manager.py, memory.py; scoring reads it too): the attention a model
+  runs; transformers has a setter (`set_attn_implementation`) but no public getter.
+- `FIFOScheduler._infer_request_tokens` (scheduler.py wraps it): where a pending request's prefix-cache match is
+  taken (status PENDING -> PREFILLING, `position_offset` advanced past the matched tokens); the wrapper counts the
+  reused tokens an episode's turns did not prefill.
+- `RequestState._status` (switch.py sets it): a request soft reset for a "recompute" weight switch is marked
+  FINISHED the way upstream's own preemption marks it (bypassing the setter's lifespan bookkeeping) before
+  `create_equivalent_initial_request()`'s copy is requeued; `cpu_offload_space` must stay 0 (no CPU swap pool whose
+  KV would come back from old weights).
+- `FullAttentionCacheAllocator._kv_token_views` (attention.py): per-layer [cache rows, kv heads, head dim] views of
+  the paged cache that `rollout_paged` reads straight from, by the allocator's indices.
+- `torch.ops.aten._scaled_dot_product_flash_attention_for_cpu` (attention.py): the CPU flash kernel, the only SDPA
+  that also returns the log-sum-exp that merging shared-prefix attention needs.
+
+Public but internal (no underscore, same risk):
+- `background_thread_status.fatal_error` (core.py `Engine.is_alive`): how a loop that died is told from one that
+  runs; the engine then rebuilds the manager and re-runs what it lost.
+- `manager.input_queue` (core.py): where submitted RequestStates wait for the scheduler.
+- The `output_ids` row layout (runner.py writes it): row 0 the sampled tokens, row 1 their logprobs as the int32
+  view of fp32 values; upstream reads both back when it updates the batch.
+- `PagedAttentionMemoryHandler.num_attention_masks` / `.kv_heads_at_peak` (memory.py patches `__init__` to set
+  them): the memory plan charges every attention but flash for a dense mask and repeated KV; `rollout_paged` has
+  neither, and the plan would refuse a large KV budget for a mask that is never built.
+- The plan cache's key (plan.py): `cu_seq_lens_q` and `read_index` are created afresh for every forward (and shared
+  by its layers), so their identity tells one forward from the next.
+- The cache ledgers' `hash_to_block` / `block_to_hash`, the allocators' `block_table` and `evict_cached_blocks`
+  (switch.py): forgetting every prefix hash on a weight change, and giving blocks still held a random sentinel hash
+  (upstream re-hashes a held block whose hash is missing, from its tokens alone; hashes are 64-bit blake2b).
+- `scheduler.active_requests`, `finish_request`, `add_waiting_request`, `RequestState.create_equivalent_initial_request`
+  (switch.py): the soft reset a "recompute" switch applies to every request in flight.
+- `OutputRouter.deliver` / `deliver_batch` (router.py overrides them), `ContinuousBatchingManager.start`'s body
+  (replayed by core.py with a daemon thread), `switch_to_cb_friendly_attn` (manager.py lets `rollout_paged` through),
+  the `PagedAttentionArgs` fields and `FullAttentionCacheAllocator.update`'s signature (attention.py), and
+  `attn_mask_is_needed` being false for `rollout_paged` (no dense mask is allocated).
+"""
 
 from __future__ import annotations
 
+import ast
 import inspect
+import queue
+import re
+import threading
+from pathlib import Path
 
+import pytest
+import torch
 import transformers
+from transformers.generation.continuous_batching.cache import PagedAttentionMemoryHandler
 from transformers.generation.continuous_batching.cache_allocators.cache_allocator import BlockLedger
 from transformers.generation.continuous_batching.cache_allocators.full_attention import FullAttentionCacheAllocator
-from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager, OutputRouter
+from transformers.generation.continuous_batching.continuous_api import (
+    BackgroundThreadStatus, ContinuousBatchingManager, ContinuousBatchProcessor, OutputRouter)
+from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs, PagedAttentionArgs
 from transformers.generation.continuous_batching.model_runner import ModelRunner
 from transformers.generation.continuous_batching.requests import RequestState, RequestStatus
 from transformers.generation.continuous_batching.scheduler import FIFOScheduler
+from transformers.generation.continuous_batching.utils import attn_mask_is_needed
 
+from rollout import RolloutWorker, SamplingParams, WorkerConfig
+from rollout.engine import plan as plan_mod
+from rollout.engine.attention import NAME
+from rollout.engine.runner import RolloutModelRunner
 from rollout.engine.scheduler import RolloutScheduler
+
+# the private names above, as the completeness check finds them in rollout/engine/
+HOOKS = {"_forward_process_and_sample", "_schedule_request", "_create_batch_processor", "_run_generation_loop",
+         "_generation_thread", "_wake_up_loop", "_attn_implementation", "_kv_token_views",
+         "_scaled_dot_product_flash_attention_for_cpu", "_infer_request_tokens", "_status"}
+ENGINE = Path(__file__).resolve().parents[1] / "rollout" / "engine"
+
+
+@pytest.fixture()
+def worker(tiny):
+    model, tok = tiny
+    with RolloutWorker(model, WorkerConfig(num_blocks=64), tokenizer=tok) as worker:
+        yield worker
 
 
 def test_transformers_is_the_pinned_version():
     assert transformers.__version__ == "5.23.0"
 
 
+def test_the_hook_list_is_complete():
+    """Every `_name` the engine layer uses that upstream also defines (an upstream private it calls, reads or
+    overrides) is one of HOOKS, listed with its reason in this module's docstring."""
+    upstream = Path(transformers.__file__).parent
+    text = "\n".join(p.read_text() for p in (upstream / "generation" / "continuous_batching").rglob("*.py"))
+    text += (upstream / "configuration_utils.py").read_text()
+    used = set()
+    for path in ENGINE.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "name", None) \
+                if isinstance(node, ast.FunctionDef) else None
+            if name and name.startswith("_") and not name.startswith("__"):
+                used.add(name)
+    upstream_privates = {n for n in used if re.search(rf"\b{re.escape(n)}\b", text)}
+    assert upstream_privates - HOOKS == set(), "list it in HOOKS and in the docstring, with the reason"
+    assert HOOKS - used == set(), "a hook the engine no longer uses: drop it from the list"
+    assert all(f"{hook}`" in __doc__ for hook in HOOKS)
+
+
+# ---------------------------------------------------------------------------------------------- overridden methods
 def test_the_hooked_methods_keep_their_signatures():
     assert list(inspect.signature(ModelRunner._forward_process_and_sample).parameters) == [
         "self", "model", "batch_data", "carry_over_ids", "prev_output_ids", "output_ids"]
@@ -36,6 +137,95 @@ def test_the_hooked_methods_keep_their_signatures():
     assert ledger.hash_to_block == {} and ledger.block_to_hash == {} and ledger.cached_blocks == {}
 
 
+def test_the_loop_runs_the_batch_processor_built_before_it_started(worker):
+    # core.py builds the processor with _create_batch_processor and swaps its runner for ours before start(); the
+    # loop's own call must hand back that processor (reset), not build a fresh one with upstream's runner
+    source = inspect.getsource(ContinuousBatchingManager._run_generation_loop)
+    assert "batch_processor = self._create_batch_processor()" in source
+    assert 'batch_processor = getattr(self, "batch_processor", None)' in inspect.getsource(
+        ContinuousBatchingManager._create_batch_processor)
+    worker.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3))
+    assert type(worker.engine._manager.batch_processor.model_runner) is RolloutModelRunner
+
+
+def test_upstream_still_schedules_a_zero_token_fork_and_ours_does_not():
+    def fresh(tokens: list[int], children: int) -> RequestState:
+        return RequestState(request_id="p", initial_tokens=tokens, num_children=children, max_new_tokens=4)
+
+    upstream = FIFOScheduler.__new__(FIFOScheduler)
+    FIFOScheduler.reset(upstream)
+    state = fresh([5], children=2)
+    upstream._schedule_request(state, [5], 100, set())
+    assert state.tokens_to_process == [] and upstream._requests_to_fork == [state]  # the crash: 0-token forward
+
+    ours = RolloutScheduler.__new__(RolloutScheduler)
+    RolloutScheduler.reset(ours)
+    state = fresh([5], children=2)
+    ours._schedule_request(state, [5], 100, set())
+    assert state.tokens_to_process == [5] and ours._requests_to_fork == []
+    assert list(ours.waiting_requests) == ["p__child#0", "p__child#1"]
+    assert all(c.initial_tokens == [5] and c.num_children == 0 for c in ours.waiting_requests.values())
+    assert state.status == RequestStatus.DECODING
+
+
+# ---------------------------------------------------------------------------------------------- the loop thread
+def test_requests_reach_the_loop_through_the_input_queue_and_the_wake_up_event(worker):
+    # core.py's _submit does what add_request does, with our RequestState: queue it, then wake the idle loop
+    add = inspect.getsource(ContinuousBatchingManager.add_request)
+    assert "self.input_queue.put(state" in add and "self._wake_up_loop.set()" in add
+    body = inspect.getsource(ContinuousBatchingManager._generation_loop_body)
+    assert "self._wake_up_loop.wait(" in body and "self._wake_up_loop.clear()" in body
+    manager = worker.engine._manager
+    assert isinstance(manager._wake_up_loop, threading.Event) and isinstance(manager.input_queue, queue.Queue)
+    assert manager._generation_thread.daemon and manager._generation_thread.is_alive()
+
+
+def test_a_loop_that_dies_records_its_error_as_fatal_error(tiny, monkeypatch):
+    # Engine.is_alive reads background_thread_status.fatal_error: without it a dead loop looks alive and every call
+    # waits forever
+    status = BackgroundThreadStatus()
+    assert status.fatal_error is None
+    status.record_fatal_error(ValueError("x"))
+    assert isinstance(status.fatal_error, ValueError)
+    status.clear()
+    assert status.fatal_error is None
+
+    model, tok = tiny
+    monkeypatch.setattr(RolloutModelRunner, "_forward_process_and_sample",
+                        lambda self, *a: (_ for _ in ()).throw(RuntimeError("injected")))
+    with RolloutWorker(model, WorkerConfig(num_blocks=64, max_retries=0), tokenizer=tok) as worker:
+        first = worker.engine._manager
+        with pytest.raises(RuntimeError, match="injected"):
+            worker.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))
+        assert isinstance(first.background_thread_status.fatal_error, RuntimeError)
+        assert "injected" in str(first.background_thread_status.fatal_error)
+        assert worker.engine._manager is not first and worker.engine.num_restarts >= 1
+
+
+# ---------------------------------------------------------------------------------------------- what the runner writes
+def test_output_ids_hold_tokens_in_row_0_and_fp32_logprobs_as_int32_in_row_1(worker):
+    # upstream's own sampler writes this layout, and the batch update reads it back: runner.py writes the same
+    source = inspect.getsource(ModelRunner._sample)
+    assert "output_ids[0, :tokens].copy_(next_tokens)" in source
+    assert "output_ids[1, :tokens].copy_(logprobs.view(dtype=torch.int32))" in source
+    manager = worker.engine._manager
+    with manager.pause():  # the loop is parked: its buffers are ours for a moment
+        io = manager.batch_processor.inputs_and_outputs
+        assert isinstance(io, ContinuousBatchingIOs)
+        assert io.output_ids.dtype == torch.int32 and io.output_ids.shape[0] == 2  # return_logprobs=True
+        count, io.num_request_in_batch = io.num_request_in_batch, 3
+        tokens, logprobs = torch.tensor([7, 9, 11]), torch.tensor([-0.5, -1.25, -3.0e-8])
+        try:
+            io.output_ids[0, :3].copy_(tokens)  # as runner.py does
+            io.output_ids[1, :3].copy_(logprobs.float().view(dtype=torch.int32))
+            _, new_tokens, new_logprobs = io.prepare_batch_update()
+        finally:
+            io.output_ids.zero_()
+            io.num_request_in_batch = count
+    assert new_tokens == tokens.tolist() and new_logprobs == logprobs.tolist()
+
+
+# ---------------------------------------------------------------------------------------------- rollout_paged
 def test_full_attention_layers_keep_per_layer_token_views_of_the_cache():
     # rollout_paged reads cache rows straight from these [rows, kv_heads, head_dim] views, by the allocator's indices
     source = inspect.getsource(FullAttentionCacheAllocator.register_cache_tensor)
@@ -45,22 +235,92 @@ def test_full_attention_layers_keep_per_layer_token_views_of_the_cache():
     assert "torch.index_select(k_cache, 0, read_index)" in update
 
 
-def _fresh_state(tokens: list[int], children: int) -> RequestState:
-    return RequestState(request_id="p", initial_tokens=tokens, num_children=children, max_new_tokens=4)
+def test_the_upstream_pieces_rollout_paged_relies_on_keep_their_shape():
+    """An upgrade that moves any of these must fail here, not silently fall back to a dense mask or crash the loop."""
+    assert list(inspect.signature(FullAttentionCacheAllocator.update).parameters) == [
+        "self", "key_states", "value_states", "layer_idx", "read_index", "write_index"]
+    assert {"switch_to_cb_friendly_attn", "_run_generation_loop"} <= set(vars(ContinuousBatchingManager))
+    assert {"cu_seq_lens_q", "cu_seq_lens_k", "read_index", "write_index", "cache"} <= set(
+        PagedAttentionArgs.__annotations__)
+
+    class Config:
+        _attn_implementation = NAME
+
+    assert not attn_mask_is_needed(Config())
 
 
-def test_upstream_still_schedules_a_zero_token_fork_and_ours_does_not():
-    upstream = FIFOScheduler.__new__(FIFOScheduler)
-    FIFOScheduler.reset(upstream)
-    state = _fresh_state([5], children=2)
-    upstream._schedule_request(state, [5], 100, set())
-    assert state.tokens_to_process == [] and upstream._requests_to_fork == [state]  # the crash: 0-token forward
+def test_every_forward_gets_fresh_cu_seq_lens_q_and_read_index(worker, monkeypatch):
+    """plan.py builds one Plan per forward and reuses it for every layer, keyed on the identity of the step's
+    `cu_seq_lens_q` tensor and `read_index` list: each forward must bring new ones (else a stale plan is reused),
+    shared by all its layers (else the plan is rebuilt per layer)."""
+    assert "self.inputs_and_outputs.get_model_kwargs(" in inspect.getsource(ContinuousBatchProcessor._generation_step)
+    manager = worker.engine._manager
+    with manager.pause():
+        io = manager.batch_processor.inputs_and_outputs
+        first, second = io.get_model_kwargs(), io.get_model_kwargs()
+    assert first["cu_seq_lens_q"] is not second["cu_seq_lens_q"] and first["read_index"] is not second["read_index"]
 
-    ours = RolloutScheduler.__new__(RolloutScheduler)
-    RolloutScheduler.reset(ours)
-    state = _fresh_state([5], children=2)
-    ours._schedule_request(state, [5], 100, set())
-    assert state.tokens_to_process == [5] and ours._requests_to_fork == []
-    assert list(ours.waiting_requests) == ["p__child#0", "p__child#1"]
-    assert all(c.initial_tokens == [5] and c.num_children == 0 for c in ours.waiting_requests.values())
-    assert state.status == RequestStatus.DECODING
+    forwards, builds = [], []
+    run, build = RolloutModelRunner._forward_process_and_sample, plan_mod._build_plan
+    monkeypatch.setattr(RolloutModelRunner, "_forward_process_and_sample",
+                        lambda self, *a: forwards.append(1) or run(self, *a))
+    monkeypatch.setattr(plan_mod, "_build_plan", lambda allocator, kwargs: builds.append(1) or build(allocator,
+                                                                                                      kwargs))
+    worker.generate([[5, 6, 7, 8], [9, 10]], SamplingParams(n=2, max_new_tokens=6, ignore_eos=True))
+    assert worker.model.config.num_hidden_layers > 1 and len(forwards) > 1
+    assert len(builds) == len(forwards)  # one full-attention layer group: one plan per forward, whatever the layers
+
+
+def test_the_memory_plan_attributes_are_set_at_init_and_read_by_the_footprint():
+    from transformers import LlamaConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    consumers = inspect.getsource(PagedAttentionMemoryHandler)
+    assert "self.kv_heads_at_peak *" in consumers and "self.num_attention_masks *" in consumers
+    config = LlamaConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128)
+    plans = {}
+    for impl in ("sdpa", NAME):
+        config._attn_implementation = impl
+        plans[impl] = PagedAttentionMemoryHandler(config, ContinuousBatchingConfig(max_memory_percent=0.5),
+                                                  torch.float32, 1024, 16, 4096, ["full_attention"])
+    assert (plans["sdpa"].num_attention_masks, plans["sdpa"].kv_heads_at_peak) == (1, 2 * 4 + 2)  # upstream's
+    assert (plans[NAME].num_attention_masks, plans[NAME].kv_heads_at_peak) == (0, 2 * 2)  # memory.py's
+
+
+def test_the_cpu_flash_kernel_returns_the_log_sum_exp():
+    q, k, v = (torch.randn(2, 3, 5, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=None,
+                                                                          scale=None)[:2]
+    scores = q @ k.transpose(-1, -2) / 8 ** 0.5
+    assert torch.allclose(out, torch.softmax(scores, -1) @ v, atol=1e-5)
+    assert torch.allclose(lse.float(), torch.logsumexp(scores, -1), atol=1e-5)
+
+
+def test_a_prefix_match_is_taken_in_infer_request_tokens_from_a_pending_request():
+    source = inspect.getsource(FIFOScheduler._infer_request_tokens)
+    assert "search_prefix_match" in source and "RequestStatus.PENDING" in source
+    assert "state.position_offset += prefill_length" in source
+    assert list(inspect.signature(FIFOScheduler._infer_request_tokens).parameters) == [
+        "self", "state", "request_ids_to_remove_from_waiting"]
+
+
+def test_a_soft_reset_folds_the_generated_tokens_into_the_prompt_and_keeps_id_and_logprobs():
+    state = RequestState(request_id="r0", initial_tokens=[5, 6, 7], max_new_tokens=10, eos_token_id=[2])
+    state.generated_tokens, state.logprobs = [8, 9], [-0.5, -0.25]
+    fresh = state.create_equivalent_initial_request()
+    assert fresh.request_id == "r0" and fresh.initial_tokens == [5, 6, 7, 8, 9] and fresh.max_new_tokens == 8
+    assert fresh.logprobs == [-0.5, -0.25] and fresh.status == RequestStatus.PENDING
+    out = fresh.to_generation_output()
+    assert out.prompt_ids == [5, 6, 7] and out.generated_tokens == [8, 9]
+    assert "_status" in vars(state)  # the field a soft reset sets directly, as upstream's preemption does
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    assert ContinuousBatchingConfig().cpu_offload_space == 0  # no CPU swap pool: nothing restores old-weight KV
+
+
+def test_block_hashes_are_unsigned_64_bit_chained_from_the_parent():
+    from transformers.generation.continuous_batching.cache_allocators.cache_allocator import compute_block_hash
+    first = compute_block_hash(None, [1, 2, 3, 4])
+    assert 0 <= first < 2**64 and compute_block_hash(first, [5, 6]) != compute_block_hash(None, [5, 6])
+    ledger = BlockLedger()
+    assert {"hash_to_block", "block_to_hash"} <= set(vars(ledger))

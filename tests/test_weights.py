@@ -209,7 +209,7 @@ def test_a_shared_model_trains_between_generates_and_rollouts_match_the_trainer(
 
 def test_a_bad_version_is_rejected_before_any_weight_changes(worker):
     before = worker.weights_fingerprint()
-    with pytest.raises(ValueError, match="version=-1 is invalid: must be a non-negative int"):
+    with pytest.raises(ValueError, match="version=-1 is invalid: must be an integer >= 0"):
         worker.update_weights(perturbed_state(worker.model), version=-1)
     with pytest.raises(ValueError, match="version=True is invalid"):
         worker.refresh(version=True)

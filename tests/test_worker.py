@@ -158,15 +158,24 @@ def test_text_prompts_and_chat_template_use_the_tokenizer(shared):
     ([[1, 2], [3, 10**6]], None, "prompt 1: prompt='token id 1000000' is invalid"),
     ([[1] * 1000], SamplingParams(max_new_tokens=100), "prompt 0: max_new_tokens=100 is invalid"),
     ([[1], [2]], [SamplingParams()], "sampling="),
-    ([[1], "text", 3], None, "prompt 2: prompt='3' is invalid: must be a list of int token ids"),
+    ([[1], "text", 3], None, "prompt 2: prompt=3 is invalid: must be a list of int token ids"),
     ([[1]], SamplingParams(stop_token_ids=[10**6]), "stop_token_ids=1000000"),
 ])
-def test_bad_input_is_rejected_before_anything_is_submitted(shared, prompts, sampling, message):
-    before = shared.engine._ids
+def test_bad_input_is_rejected_before_anything_is_submitted(shared, prompts, sampling, message, monkeypatch):
+    engine = shared.engine
+
+    def refuse(*args, **kwargs):  # a submission at the engine or at upstream's input queue fails the call loudly
+        raise AssertionError(f"submitted before validation failed: {args}")
+
+    monkeypatch.setattr(engine, "_submit", refuse)
+    monkeypatch.setattr(engine._manager.input_queue, "put", refuse)
+    next_id = repr(engine._ids)  # itertools.count(k): k is the id the next request gets
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         shared.generate(prompts, sampling)
-    assert shared.engine._ids is before and not shared.engine._pending
+    assert repr(engine._ids) == next_id and not engine._pending and engine._manager.input_queue.empty()
+    monkeypatch.undo()
     assert len(shared.generate([[5, 6]], SamplingParams(max_new_tokens=2))) == 1
+    assert repr(engine._ids) != next_id  # the witness works: a good call does take an id
 
 
 def test_empty_call_returns_an_empty_batch(shared):
@@ -273,3 +282,27 @@ def test_a_process_that_never_closes_its_worker_still_exits(tiny_path):
               "print(len(w.generate([[1, 2, 3]])))\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr[-2000:]
+
+
+def test_worker_and_fleet_are_both_rollouts_by_signature(shared):
+    """Trainers type against rollout.Rollouts: both classes offer every method, each taking at least the protocol's
+    parameters, in its order, with its defaults (extra keyword parameters allowed). A live worker is an instance
+    (a live fleet too: tests/test_fleet.py)."""
+    import inspect
+
+    from rollout import Rollouts
+    from rollout.fleet.fleet import RolloutFleet
+
+    assert isinstance(shared, Rollouts)
+    methods = [name for name, value in vars(Rollouts).items() if callable(value) and not name.startswith("_")]
+    assert {"generate", "update_weights", "weights_fingerprint", "score", "close"} <= set(methods)
+    for cls in (RolloutWorker, RolloutFleet):
+        assert isinstance(inspect.getattr_static(cls, "policy_version"), property), cls
+        for name in methods:
+            want = list(inspect.signature(getattr(Rollouts, name)).parameters.values())
+            have = list(inspect.signature(getattr(cls, name)).parameters.values())
+            named = [p for p in want if p.kind is not p.VAR_KEYWORD]
+            assert [(p.name, p.default) for p in have[: len(named)]] == [(p.name, p.default) for p in named], \
+                (cls.__name__, name)
+            if any(p.kind is p.VAR_KEYWORD for p in want):
+                assert any(p.kind is p.VAR_KEYWORD for p in have), (cls.__name__, name)

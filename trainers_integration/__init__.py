@@ -6,8 +6,9 @@
 `trainers_integration.trl` (TRL's GRPOTrainer on this engine) imports TRL only when used.
 """
 
+from .config import RolloutTrainerConfig
 from .grpo import GRPOConfig, GRPOTrainer
 from .ppo import PPOConfig, PPOTrainer
 from .value import CriticModel, ValueHead
 
-__all__ = ["CriticModel", "GRPOConfig", "GRPOTrainer", "PPOConfig", "PPOTrainer", "ValueHead"]
+__all__ = ["CriticModel", "GRPOConfig", "GRPOTrainer", "PPOConfig", "PPOTrainer", "RolloutTrainerConfig", "ValueHead"]

@@ -27,9 +27,10 @@ from typing import Any
 
 import torch
 
-from rollout import EpisodeSpec, RolloutBatch, SamplingParams
+from rollout import EpisodeSpec, RolloutBatch, Rollouts
 
 from . import losses
+from .config import RolloutTrainerConfig
 from .forward import completion_logprobs, pack
 from .loop import RolloutLoop
 from .rollouts import logprob_gap, pad_token_id
@@ -37,63 +38,31 @@ from .rollouts import logprob_gap, pad_token_id
 RewardFn = Callable[[RolloutBatch], Any]
 
 
-@dataclass(frozen=True)
-class GRPOConfig:
-    """num_generations: samples per prompt (the group). temperature, max_new_tokens, stop_token_ids: sampling (no
-        top-k / top-p: the behaviour policy must be the full-vocabulary distribution the trainer recomputes).
-    num_epochs: optimizer steps per batch (PPO-style reuse; the clip keeps later epochs near the behaviour policy).
-    clip_low, clip_high: ratio clip range [1 - clip_low, 1 + clip_high] (clip_high > clip_low is DAPO's clip-higher).
+@dataclass(frozen=True, kw_only=True)
+class GRPOConfig(RolloutTrainerConfig):
+    """The shared fields (RolloutTrainerConfig: sampling, num_epochs, clip range, max_grad_norm, micro_batch_size,
+    chat_template), here with num_generations = 8 (the group) and num_epochs = 1 (more is PPO-style reuse; the clip
+    keeps later epochs near the behaviour policy; clip_high > clip_low is DAPO's clip-higher), plus:
     beta: weight of the k3 KL penalty to `ref_model` (the KL is logged whenever a ref_model is given).
     loss_norm: "token" (every token weighs the same) or "sequence" (every completion weighs the same).
     scale_rewards: divide group-centred rewards by the group std (False: Dr. GRPO).
     tis_cap: None, or the cap of truncated importance sampling against the rollout's logprobs.
-    max_grad_norm: gradient clipping (None: off). micro_batch_size: rows per forward (None: the whole batch).
-    chat_template: apply the tokenizer's chat template to text prompts.
     """
 
     num_generations: int = 8
-    temperature: float = 1.0
-    max_new_tokens: int = 64
-    stop_token_ids: tuple[int, ...] | None = None
     num_epochs: int = 1
-    clip_low: float = 0.2
-    clip_high: float = 0.2
     beta: float = 0.0
     loss_norm: str = "token"
     scale_rewards: bool = True
     tis_cap: float | None = None
-    max_grad_norm: float | None = 1.0
-    micro_batch_size: int | None = None
-    chat_template: bool = False
 
     def __post_init__(self) -> None:
-        check_config(self)
-
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(n=self.num_generations, temperature=self.temperature,
-                              max_new_tokens=self.max_new_tokens, stop_token_ids=self.stop_token_ids)
-
-
-def check_config(cfg) -> None:
-    """Checks shared by GRPOConfig and PPOConfig (same field names)."""
-    for name in ("num_generations", "num_epochs"):
-        value = getattr(cfg, name, 1)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1. Fix: use e.g. 1 or 8.")
-    if not (isinstance(cfg.temperature, (int, float)) and math.isfinite(cfg.temperature) and cfg.temperature > 0):
-        raise ValueError(f"temperature={cfg.temperature!r} is invalid: training needs sampled rollouts. Fix: use a "
-                         "temperature > 0, e.g. 1.0.")
-    for name in ("clip_low", "clip_high"):
-        if not 0 <= getattr(cfg, name) < 1:
-            raise ValueError(f"{name}={getattr(cfg, name)!r} is invalid: must be in [0, 1). Fix: use e.g. 0.2.")
-    if getattr(cfg, "loss_norm", "token") not in losses.LOSS_NORMS:
-        raise ValueError(f"loss_norm={cfg.loss_norm!r} is invalid: must be one of {losses.LOSS_NORMS}. Fix: pick "
-                         "one of those.")
-    if getattr(cfg, "tis_cap", None) is not None and not cfg.tis_cap >= 1.0:
-        raise ValueError(f"tis_cap={cfg.tis_cap!r} is invalid: must be >= 1 (or None). Fix: use e.g. 2.0.")
-    if cfg.micro_batch_size is not None and (not isinstance(cfg.micro_batch_size, int) or cfg.micro_batch_size < 1):
-        raise ValueError(f"micro_batch_size={cfg.micro_batch_size!r} is invalid: must be >= 1 or None. Fix: use "
-                         "None for the whole batch.")
+        super().__post_init__()
+        if self.loss_norm not in losses.LOSS_NORMS:
+            raise ValueError(f"loss_norm={self.loss_norm!r} is invalid: must be one of {losses.LOSS_NORMS}. Fix: "
+                             "pick one of those.")
+        if self.tis_cap is not None and not self.tis_cap >= 1.0:
+            raise ValueError(f"tis_cap={self.tis_cap!r} is invalid: must be >= 1 (or None). Fix: use e.g. 2.0.")
 
 
 class GRPOTrainer(RolloutLoop):
@@ -108,7 +77,7 @@ class GRPOTrainer(RolloutLoop):
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, reward_fn: RewardFn | None, prompts,
-                 rollouts: Any, config: GRPOConfig | None = None, ref_model: torch.nn.Module | None = None,
+                 rollouts: Rollouts, config: GRPOConfig | None = None, ref_model: torch.nn.Module | None = None,
                  episodes: EpisodeSpec | None = None) -> None:
         self.model, self.optimizer, self.reward_fn, self.rollouts = model, optimizer, reward_fn, rollouts
         self.config = config if config is not None else GRPOConfig()
@@ -185,4 +154,4 @@ def format_metrics(m: dict[str, float]) -> str:
             f"train {m['train_s']:.2f}s  refresh {m['refresh_s'] * 1e3:.1f}ms")
 
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "check_config", "clip_grad_norm", "format_metrics"]
+__all__ = ["GRPOConfig", "GRPOTrainer", "clip_grad_norm", "format_metrics"]

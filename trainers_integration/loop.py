@@ -9,22 +9,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from rollout import EpisodeSpec, RolloutBatch
+from rollout import EpisodeSpec, RolloutBatch, Rollouts
 
+from .config import RolloutTrainerConfig
 from .rollouts import (PromptsExhausted, prompt_stream, push_weights, reference_logprobs, rewards_tensor,
                        shares_model, timed_generate)
 
 
 class RolloutLoop:
     model: torch.nn.Module
-    rollouts: Any
+    rollouts: Rollouts
     reward_fn: Callable | None
     ref_model: torch.nn.Module | None
-    config: Any
+    config: RolloutTrainerConfig
 
     def _start_loop(self, prompts, episodes: EpisodeSpec | None = None) -> None:
         self.episodes = episodes

@@ -22,49 +22,40 @@ the first epoch), plus value loss and value clip fraction.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from rollout import EpisodeSpec, RolloutBatch, SamplingParams
+from rollout import EpisodeSpec, RolloutBatch, Rollouts
 
 from . import losses
+from .config import RolloutTrainerConfig
 from .forward import Packed, completion_logprobs, pack
 from .loop import RolloutLoop
-from .grpo import RewardFn, check_config, clip_grad_norm
+from .grpo import RewardFn, clip_grad_norm
 from .rollouts import logprob_gap, pad_token_id
 from .value import ValueHead
 
 
-@dataclass(frozen=True)
-class PPOConfig:
-    """num_generations: samples per prompt. temperature, max_new_tokens, stop_token_ids: sampling.
-    num_epochs: optimizer steps per batch. clip_low, clip_high: policy ratio clip. value_clip: how far a value may
-    move from its old estimate before the clipped loss takes over. vf_coef: weight of the value loss.
-    kl_coef: weight of the per-token KL penalty folded into the rewards (needs ref_model; the KL is logged whenever
-    a ref_model is given). gamma, lam: GAE discount and trace decay. whiten_advantages: normalise advantages over
-    the batch. max_grad_norm, micro_batch_size, chat_template: as in GRPOConfig.
+@dataclass(frozen=True, kw_only=True)
+class PPOConfig(RolloutTrainerConfig):
+    """The shared fields (RolloutTrainerConfig), here with num_generations = 1 and num_epochs = 4, plus:
+    value_clip: how far a value may move from its old estimate before the clipped loss takes over. vf_coef: weight
+    of the value loss. kl_coef: weight of the per-token KL penalty folded into the rewards (needs ref_model; the KL
+    is logged whenever a ref_model is given). gamma, lam: GAE discount and trace decay. whiten_advantages: normalise
+    advantages over the batch.
     """
 
     num_generations: int = 1
-    temperature: float = 1.0
-    max_new_tokens: int = 64
-    stop_token_ids: tuple[int, ...] | None = None
     num_epochs: int = 4
-    clip_low: float = 0.2
-    clip_high: float = 0.2
     value_clip: float = 0.2
     vf_coef: float = 0.5
     kl_coef: float = 0.05
     gamma: float = 1.0
     lam: float = 0.95
     whiten_advantages: bool = True
-    max_grad_norm: float | None = 1.0
-    micro_batch_size: int | None = None
-    chat_template: bool = False
 
     def __post_init__(self) -> None:
-        check_config(self)
+        super().__post_init__()
         for name in ("gamma", "lam"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be in [0, 1]. Fix: use e.g. 1.0 "
@@ -73,10 +64,6 @@ class PPOConfig:
             raise ValueError("value_clip must be > 0, vf_coef and kl_coef >= 0. Fix: use e.g. value_clip=0.2, "
                              "vf_coef=0.5, kl_coef=0.05.")
 
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(n=self.num_generations, temperature=self.temperature,
-                              max_new_tokens=self.max_new_tokens, stop_token_ids=self.stop_token_ids)
-
 
 class PPOTrainer(RolloutLoop):
     """PPO over a `rollouts` object. value_model: a `ValueHead` on the policy's hidden states, or a critic module
@@ -84,7 +71,7 @@ class PPOTrainer(RolloutLoop):
     value model. `episodes` as in GRPOTrainer: GAE runs over the model's tokens, observations skipped."""
 
     def __init__(self, model: torch.nn.Module, value_model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 reward_fn: RewardFn | None, prompts, rollouts: Any, config: PPOConfig | None = None,
+                 reward_fn: RewardFn | None, prompts, rollouts: Rollouts, config: PPOConfig | None = None,
                  ref_model: torch.nn.Module | None = None, episodes: EpisodeSpec | None = None) -> None:
         self.model, self.value_model, self.optimizer = model, value_model, optimizer
         self.reward_fn, self.rollouts = reward_fn, rollouts

@@ -1,8 +1,7 @@
 """The rollout side as a trainer sees it: generate, push weights, score with a reference model.
 
-`rollouts` is anything with `generate(prompts, sampling=..., chat_template=...) -> RolloutBatch` and
-`update_weights(state_dict, version=...)`: a `RolloutWorker` (sharing the policy in place, or holding its own
-copy) or a `RolloutFleet`. A worker whose `.model` *is* the policy shares its parameters: after `optimizer.step()`
+`rollouts` is a `rollout.Rollouts`: a `RolloutWorker` (sharing the policy in place, or holding its own copy) or a
+`RolloutFleet`. A worker whose `.model` *is* the policy shares its parameters: after `optimizer.step()`
 it only needs `refresh()` (a fence, prefix-cache invalidation and a version bump; no copy). Anything else receives
 the policy's state dict.
 """
@@ -15,15 +14,16 @@ from typing import Any
 
 import torch
 
-from rollout import EpisodeSpec, RolloutBatch
+from rollout import EpisodeSpec, RolloutBatch, Rollouts
+from rollout.loading import pad_token_id as tokenizer_pad_id
 
 
-def shares_model(rollouts: Any, model: torch.nn.Module) -> bool:
+def shares_model(rollouts: Rollouts, model: torch.nn.Module) -> bool:
     """True when `rollouts` generates with `model`'s own parameters (an in-place RolloutWorker)."""
     return getattr(rollouts, "model", None) is model
 
 
-def push_weights(rollouts: Any, model: torch.nn.Module, version: int) -> float:
+def push_weights(rollouts: Rollouts, model: torch.nn.Module, version: int) -> float:
     """Bring the rollout side to the policy's current weights, tagged `version`; returns the seconds it took."""
     start = time.perf_counter()
     if shares_model(rollouts, model):
@@ -34,7 +34,7 @@ def push_weights(rollouts: Any, model: torch.nn.Module, version: int) -> float:
     return time.perf_counter() - start
 
 
-def timed_generate(rollouts: Any, prompts, sampling, chat_template: bool = False,
+def timed_generate(rollouts: Rollouts, prompts, sampling, chat_template: bool = False,
                    episodes: EpisodeSpec | None = None) -> tuple[RolloutBatch, float]:
     start = time.perf_counter()
     batch = rollouts.generate(prompts, sampling=sampling, chat_template=chat_template, **(episodes.kwargs() if episodes else {}))
@@ -96,8 +96,6 @@ def prompt_stream(prompts: Callable[[int], Any] | Iterable[Any]) -> Callable[[in
     return next_prompts
 
 
-def pad_token_id(rollouts: Any) -> int:
+def pad_token_id(rollouts: Rollouts) -> int:
     """The rollout side's pad id (0 when it has no tokenizer): fills padding of packed rows, never read."""
-    tokenizer = getattr(rollouts, "tokenizer", None)
-    pad = getattr(tokenizer, "pad_token_id", None)
-    return int(pad) if pad is not None else 0
+    return tokenizer_pad_id(getattr(rollouts, "tokenizer", None))

@@ -28,7 +28,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from rollout import EpisodeSpec, SamplingParams
+from rollout import EpisodeSpec, Rollouts, SamplingParams
 
 from .rollouts import push_weights
 
@@ -71,7 +71,7 @@ def trainer_sampling(trainer: Any, n: int) -> SamplingParams:
                           stop_token_ids=tuple(int(t) for t in eos) if eos else None)
 
 
-def make_rollout_func(rollouts: Any, model: Any = None, episodes: EpisodeSpec | None = None):
+def make_rollout_func(rollouts: Rollouts, model: Any = None, episodes: EpisodeSpec | None = None):
     """A TRL `rollout_func(prompts, trainer) -> {"prompt_ids", "completion_ids", "logprobs"}` over `rollouts` (a
     RolloutWorker or RolloutFleet). `model`: the policy whose weights to push; None means the trainer's model.
 
@@ -120,7 +120,8 @@ def _trainer_class():
         tests/test_trl.py checks that TRL 1.16 still gates the correction this way.
         """
 
-        def __init__(self, *args: Any, rollouts: Any, episodes: EpisodeSpec | None = None, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, rollouts: Rollouts, episodes: EpisodeSpec | None = None,
+                     **kwargs: Any) -> None:
             if kwargs.get("rollout_func") is not None:
                 raise ValueError("rollout_func is invalid here: RolloutGRPOTrainer builds it from rollouts. Fix: pass "
                                  "only rollouts=..., or use trl.GRPOTrainer(rollout_func=make_rollout_func(...)).")

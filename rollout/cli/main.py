@@ -1,5 +1,5 @@
 """The `rollout` command: generate, score, demo. Argparse and wiring only; streaming, resume and error locating
-live in `rollout.jsonl`, shared by both JSONL commands.
+live in `rollout.cli.jsonl`, shared by both JSONL commands.
 
 Exit codes: 0 done, 2 a usage or input error (one `rollout: error: FILE:LINE: field F: ...` line on stderr, no row
 already written lost), 130 interrupted (the output holds only whole lines; re-run the same command to resume).
@@ -89,9 +89,10 @@ def build_score(args: argparse.Namespace, resources: contextlib.ExitStack) -> Jo
         raise UsageError(f"--max-batch-tokens {args.max_batch_tokens} is invalid: must be >= 1")
 
     def start() -> Process:
+        from ..loading import load_model
         from ..scoring import score
 
-        model, tokenizer = _load_for_scoring(args.model)
+        model, tokenizer = load_model(args.model, field="--model")
 
         def process(chunk: list[Record]) -> tuple[list[dict], int]:
             prompts, completions, temperatures = records.score_inputs(chunk, args.temperature)
@@ -116,20 +117,6 @@ def _generate_backend(args: argparse.Namespace, config, resources: contextlib.Ex
         backend = RolloutWorker(args.model, config=config)
     resources.callback(backend.close)
     return backend, backend.tokenizer
-
-
-def _load_for_scoring(path: str):
-    """fp32 sdpa on CPU; the checkpoint's dtype on CUDA when present (as rollout.scoring loads a path)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    cuda = torch.cuda.is_available()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto" if cuda else torch.float32,
-                                                 attn_implementation="sdpa").to("cuda" if cuda else "cpu")
-    tokenizer = None
-    with contextlib.suppress(OSError, ValueError):
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    return model, tokenizer
 
 
 # ---------------------------------------------------------------------------------------------- shared

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from .jsonl import FieldError, Record
+from ..errors import preview
 from ..params import UNSUPPORTED, SamplingParams
 
 SAMPLING_FIELDS = ("n", "temperature", "top_k", "top_p", "max_new_tokens", "stop_token_ids", "ignore_eos", "seed")
@@ -33,7 +34,7 @@ def check_generate(data: dict, base: dict, chat_template: bool) -> None:
             kinds = "a non-empty string or a list of chat messages" if chat_template else "a non-empty string"
             fix = "pass --chat-template for chat messages" if isinstance(prompt, list) and not chat_template \
                 else "give the text, or token ids as \"prompt_ids\""
-            raise FieldError("prompt", f"{_preview(prompt)} is invalid: must be {kinds}. Fix: {fix}")
+            raise FieldError("prompt", f"{preview(prompt)} is invalid: must be {kinds}. Fix: {fix}")
     else:
         _check_ids(data, "prompt_ids")
     for key in data:
@@ -83,13 +84,13 @@ def check_score(data: dict) -> None:
     for name in ("prompt", "completion"):
         _check_one_of(data, name)
         if name in data and not (isinstance(data[name], str) and data[name]):
-            raise FieldError(name, f"{_preview(data[name])} is invalid: must be a non-empty string. Fix: give the "
+            raise FieldError(name, f"{preview(data[name])} is invalid: must be a non-empty string. Fix: give the "
                                    f"text, or token ids as \"{name}_ids\"")
         if f"{name}_ids" in data:
             _check_ids(data, f"{name}_ids")
     temp = data.get("temperature", 0.0)
     if isinstance(temp, bool) or not isinstance(temp, (int, float)) or not temp >= 0 or temp == float("inf"):
-        raise FieldError("temperature", f"{_preview(temp)} is invalid: must be a finite number >= 0. Fix: use the "
+        raise FieldError("temperature", f"{preview(temp)} is invalid: must be a finite number >= 0. Fix: use the "
                                         "temperature the completion was sampled at (0 = the raw distribution)")
     _check_reserved(data, SCORE_OUTPUT)
 
@@ -131,7 +132,7 @@ def _check_ids(data: dict, field: str) -> None:
     ids = data[field]
     if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                        for t in ids):
-        raise FieldError(field, f"{_preview(ids)} is invalid: must be a non-empty list of non-negative int token ids. "
+        raise FieldError(field, f"{preview(ids)} is invalid: must be a non-empty list of non-negative int token ids. "
                                 "Fix: e.g. [12, 7, 99]")
 
 
@@ -140,8 +141,3 @@ def _check_reserved(data: dict, outputs: tuple[str, ...]) -> None:
         if key in data:
             raise FieldError(key, "is a field this command writes, so the input must not have it. Fix: rename or "
                                   "drop it (to feed an output file back in, remove the added fields)")
-
-
-def _preview(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."

@@ -2,8 +2,9 @@
 
 Owns every Ray import in the package (tests/test_layout.py checks it). May import the worker layer (`rollout.worker`
 and the leaf modules below it), never the engine's internals directly. Files: `fleet.py` (RolloutFleet: dispatch,
-recovery, weight broadcast), `actor.py` (the actor around one worker), `dispatch.py` (token-load dispatch),
-`resources.py` (placement), `collective.py` (the torch.distributed weight transport).
+recovery), `actor.py` (the actor around one worker), `dispatch.py` (token-load dispatch), `resources.py` (placement),
+`transport.py` (how weight updates reach the actors: the `WeightTransport` interface, the object store and the
+collective; a new transport is one new file), `collective.py` (the torch.distributed group the collective uses).
 """
 
 

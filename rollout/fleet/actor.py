@@ -2,16 +2,17 @@
 `ray.remote`; nothing here imports Ray).
 
 Calls speak token ids and plain data: `generate` returns the chunk's rows grouped by its prompts (prompt_ids left
-out: the caller has them), weights arrive as numpy views of state-dict tensors (`to_shared`: Ray stores numpy arrays
-in shared memory and hands them to every actor on the node without a copy or unpickling; torch tensors it would
-pickle, copy and rebuild per reader) or over a WeightGroup (torch.distributed). The read-only methods (`info`,
-`state`, `state_dict`) are meant to run in a separate concurrency group, so monitoring and restoring a peer never
-wait behind a generate.
+out: the caller has them). Weight updates arrive through a transport (transport.py): `receive` runs the transport's
+receiving half here and applies what it returns atomically; `connect` runs its per-actor setup (e.g. joining a
+torch.distributed group). A model, a peer's state dict and the updates a replacement replays travel in the shared
+form of `to_shared` (numpy views of state-dict tensors: Ray stores numpy arrays in shared memory and hands them to
+every actor on the node without a copy or unpickling; torch tensors it would pickle, copy and rebuild per reader).
+The read-only methods (`info`, `state`, `state_dict`) are meant to run in a separate concurrency group, so
+monitoring and restoring a peer never wait behind a generate.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import socket
@@ -21,9 +22,9 @@ from typing import Any
 
 import torch
 
-from .collective import Bucket, WeightGroup
 from ..config import WorkerConfig
 from ..env import EpisodeSpec
+from ..loading import checkpoint_dir, load_tokenizer, model_from_state_dict
 from ..worker import RolloutWorker
 
 
@@ -43,7 +44,7 @@ class FleetActor:
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.worker = RolloutWorker(_model(source), config=config, tokenizer=tokenizer)
-        self.group: WeightGroup | None = None
+        self.links: dict[type, Any] = {}  # transport -> what its `connect` set up here (e.g. a WeightGroup)
         self.busy = False
         self.num_calls = 0
         self.num_rows = 0
@@ -89,8 +90,15 @@ class FleetActor:
         if future is not None:
             future.cancel()
 
-    def update_weights(self, weights: dict, version: int, full: bool = False, in_flight: str = "wait") -> int:
-        return self.worker.update_weights(from_shared(weights), version=version, full=full, in_flight=in_flight)
+    def receive(self, transport: type, payload: Any, version: int, full: bool = False, in_flight: str = "wait") -> int:
+        """One update that came through `transport` (a WeightTransport class): its tensors, applied atomically under
+        `in_flight` (a generate in flight on this actor goes on beside it)."""
+        return self.worker.update_weights(transport.receive(self, payload), version=version, full=full,
+                                          in_flight=in_flight)
+
+    def connect(self, transport: type, *args: Any) -> Any:
+        """The per-actor setup of `transport` (e.g. joining its process group)."""
+        return transport.connect(self, *args)
 
     def sync(self, version: int, *updates: dict) -> tuple[int, str]:
         """Bring a fresh actor to the fleet's weights: apply `updates` in order (a peer's state dict, or the
@@ -107,19 +115,8 @@ class FleetActor:
     def state_dict(self) -> dict:
         return to_shared(self.worker.model.state_dict().items())
 
-    def join_group(self, backend: str, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> int:
-        self.group = None  # leave any previous group first (its membership is stale)
-        self.group = WeightGroup(backend, host, port, rank, world_size, timeout_s)
-        return rank
-
-    def receive_weights(self, buckets: list[Bucket], version: int, full: bool = False, in_flight: str = "wait") -> int:
-        if self.group is None:
-            raise RuntimeError("receive_weights before join_group: this actor is in no weight group")
-        return self.worker.update_weights(self.group.receive(buckets), version=version, full=full,
-                                          in_flight=in_flight)
-
     def close(self) -> None:
-        self.group = None
+        self.links.clear()
         self.worker.close()
 
 
@@ -165,19 +162,13 @@ _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int6
 
 
 def _model(source: Any) -> Any:
-    """A checkpoint path goes to the worker as is; an in-memory model is rebuilt from its config and weights."""
+    """A checkpoint path goes to the worker as is (rollout.loading loads it); an in-memory model is rebuilt from its
+    config and weights, told their dtype: the actor must hold the very weights of the model it copies."""
     if not isinstance(source, InMemoryModel):
         return source
-    from transformers import AutoModelForCausalLM
-
     weights = from_shared(source.state_dict)
     dtype = next((t.dtype for t in weights.values() if t.is_floating_point()), torch.float32)
-    model = AutoModelForCausalLM.from_config(source.config, dtype=dtype, attn_implementation="sdpa")  # the
-    # owner's attention, as a checkpoint is loaded; the worker switches to the engine's (WorkerConfig) itself
-    model.load_state_dict(weights)
-    if source.generation_config is not None:
-        model.generation_config = source.generation_config
-    return model.to("cuda" if torch.cuda.is_available() else "cpu")
+    return model_from_state_dict(source.config, weights, source.generation_config, dtype=dtype)
 
 
 def model_source(model: Any, tokenizer: Any) -> tuple[Any, Any, Any]:
@@ -192,14 +183,7 @@ def model_source(model: Any, tokenizer: Any) -> tuple[Any, Any, Any]:
     if hasattr(model, "forward"):
         source = InMemoryModel(model.config, to_shared(model.state_dict().items()), model.generation_config)
         return source, model.config, tokenizer
-    path = os.fspath(model)
-    if not os.path.isdir(path):
-        raise ValueError(f"model={path!r} is invalid: not a model object, (config, state_dict) nor a local checkpoint "
-                         "directory. Fix: pass a PreTrainedModel or the directory written by save_pretrained (on a "
-                         "multi-node cluster, a path every node sees).")
-    from transformers import AutoConfig, AutoTokenizer
+    path = checkpoint_dir(model, "model", "a model object, (config, state_dict)")  # multi-node: a path all nodes see
+    from transformers import AutoConfig
 
-    if tokenizer is None:
-        with contextlib.suppress(Exception):
-            tokenizer = AutoTokenizer.from_pretrained(path)
-    return path, AutoConfig.from_pretrained(path), tokenizer
+    return path, AutoConfig.from_pretrained(path), tokenizer if tokenizer is not None else load_tokenizer(path)

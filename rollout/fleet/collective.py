@@ -6,7 +6,8 @@ flat tensor of one dtype, at most `bucket_mb` (a lone bigger tensor gets a bucke
 few hundred broadcasts, not thousands. Receivers stage every bucket before anything is applied, so the update stays
 atomic (cost: one extra copy of the weights on each receiver while it lands).
 
-Backends: "nccl" (GPU tensors; each rank on its own GPU) or "gloo" (CPU tensors; how it is tested here).
+Backends: "nccl" (GPU tensors; each rank on its own GPU) or "gloo" (CPU tensors; how it is tested here). The fleet
+uses it through `transport.Collective`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ BACKENDS = ("gloo", "nccl")
 
 @dataclass(frozen=True)
 class Entry:
+    """One named tensor's place in a WeightBucket."""
+
     name: str
     shape: tuple[int, ...]
     offset: int  # elements into the bucket
@@ -30,38 +33,40 @@ class Entry:
 
 
 @dataclass(frozen=True)
-class Bucket:
+class WeightBucket:
+    """Tensors of one dtype that travel as one flat broadcast: `entries` say where each lies in it."""
+
     dtype: torch.dtype
     numel: int
     entries: tuple[Entry, ...]
 
 
-def layout(items: list[tuple[str, torch.Tensor]], bucket_mb: float = 256) -> list[Bucket]:
+def layout(items: list[tuple[str, torch.Tensor]], bucket_mb: float = 256) -> list[WeightBucket]:
     """Group tensors by dtype, in order, into buckets of at most bucket_mb."""
     limit = int(bucket_mb * 2**20)
-    buckets: list[Bucket] = []
+    buckets: list[WeightBucket] = []
     filling: dict[torch.dtype, list[Entry]] = {}
     for name, tensor in items:
         entries = filling.setdefault(tensor.dtype, [])
         used = sum(e.numel for e in entries)
         if entries and (used + tensor.numel()) * tensor.element_size() > limit:
-            buckets.append(Bucket(tensor.dtype, used, tuple(entries)))
+            buckets.append(WeightBucket(tensor.dtype, used, tuple(entries)))
             entries.clear()
             used = 0
         entries.append(Entry(name, tuple(tensor.shape), used, tensor.numel()))
     for dtype, entries in filling.items():
         if entries:
-            buckets.append(Bucket(dtype, sum(e.numel for e in entries), tuple(entries)))
+            buckets.append(WeightBucket(dtype, sum(e.numel for e in entries), tuple(entries)))
     return buckets
 
 
-def pack(bucket: Bucket, tensors: dict[str, torch.Tensor], device: torch.device | str) -> torch.Tensor:
+def pack(bucket: WeightBucket, tensors: dict[str, torch.Tensor], device: torch.device | str) -> torch.Tensor:
     """flat: [bucket.numel] on `device`."""
     return torch.cat([tensors[e.name].detach().to(device=device, dtype=bucket.dtype).reshape(-1)
                       for e in bucket.entries])
 
 
-def unpack(bucket: Bucket, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+def unpack(bucket: WeightBucket, flat: torch.Tensor) -> dict[str, torch.Tensor]:
     """Views into flat, one per entry, in their shapes."""
     return {e.name: flat[e.offset: e.offset + e.numel].view(e.shape) for e in bucket.entries}
 
@@ -90,14 +95,14 @@ class WeightGroup:
             options._timeout = timeout
             self.group = dist.ProcessGroupNCCL(self.store, rank, world_size, options)
 
-    def send(self, buckets: list[Bucket], tensors: dict[str, torch.Tensor]) -> None:
+    def send(self, buckets: list[WeightBucket], tensors: dict[str, torch.Tensor]) -> None:
         """Rank 0: broadcast every bucket."""
         for bucket in buckets:
             self.group.broadcast(pack(bucket, tensors, self.device), 0).wait()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def receive(self, buckets: list[Bucket]) -> dict[str, torch.Tensor]:
+    def receive(self, buckets: list[WeightBucket]) -> dict[str, torch.Tensor]:
         """Ranks 1..N: every tensor of every bucket, staged before the caller applies any."""
         out: dict[str, torch.Tensor] = {}
         for bucket in buckets:

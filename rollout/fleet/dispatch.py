@@ -38,7 +38,6 @@ class Dispatcher:
         self.pending: deque[Chunk] = deque(_deal(self.costs, max(1, len(slots)) * chunks_per_worker))
         self.running: dict[int, list[Chunk]] = {slot: [] for slot in slots}
         self.attempts = [0] * len(self.costs)
-        self.num_done = 0
 
     @property
     def finished(self) -> bool:
@@ -64,7 +63,6 @@ class Dispatcher:
 
     def complete(self, slot: int, chunk: Chunk) -> None:
         self.running[slot].remove(chunk)
-        self.num_done += len(chunk.jobs)
 
     def fail(self, slot: int) -> list[int]:
         """The actor died: requeue everything it held (front of the queue). Returns the jobs that have now failed

@@ -7,15 +7,16 @@
 Contract:
 - Requests and updates are validated here, on the caller's side, with the worker's own checks (against a meta-device
   copy of the model: names and shapes, no memory), before any actor is touched.
-- generate spreads prompts by outstanding token load (rollout.dispatch); the n samples of a prompt stay on one actor;
+- generate spreads prompts by outstanding token load (dispatch.py); the n samples of a prompt stay on one actor;
   rows come back prompt-major with global prompt_index, as one RolloutWorker returns them.
 - An actor that dies is replaced: its unfinished prompts run on the others meanwhile; the replacement is brought to
   the fleet's weights and version (the retained update, or a live peer's state dict) and checked by fingerprint
   before it takes work. A call that passes `timeout` raises TimeoutError naming the actors still holding work, and
   those actors are replaced.
-- update_weights puts the tensors in the object store once (or broadcasts them over a torch.distributed group, see
-  init_weight_group); every actor applies them atomically under its fence; versions and fingerprints are compared
-  before it returns. Calls are serialised, so no row returned after update_weights comes from older weights.
+- update_weights sends the tensors once through the fleet's weight transport (transport.py: the object store by
+  default, a torch.distributed group after init_weight_group); every actor applies them atomically under its fence;
+  versions and fingerprints are compared before it returns. Calls are serialised, so no row returned after
+  update_weights comes from older weights.
 """
 
 from __future__ import annotations
@@ -37,20 +38,26 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("RolloutFleet needs Ray. Fix: pip install 'rollout[ray]'.") from exc
 
-from .actor import FleetActor, InMemoryModel, model_source, to_shared
+from .actor import FleetActor, InMemoryModel, model_source
 from ..batch import RolloutBatch
-from .collective import WeightGroup, free_port, layout
 from ..config import WorkerConfig
 from .dispatch import Dispatcher
 from ..config import check_in_flight
 from ..env import EnvFactory, EpisodeSpec
-from ..errors import invalid
+from ..errors import check_int, invalid
+from ..loading import pad_token_id
 from ..prompts import prepare_call
 from .resources import FleetResources
-from ..weights import plan_update
+from .transport import Collective, ObjectStore, TransportFailed, WeightTransport
+from ..weights import check_version, plan_update
 
 POLL_S = 0.1  # how often a call waiting for actors checks for cancellation
 MAX_START_FAILURES = 3  # consecutive failed starts of one actor before the fleet gives up
+# Actor k's engine seed is the config's seed + ACTOR_SEED_STRIDE * k, where k = slot + num_workers * (restarts of that
+# slot): every actor ever started draws its unseeded rows from its own stream, and fleets whose config seeds differ by
+# less than the stride (0, 1, 2, ...) never share one. (7919 is the 1000th prime; any stride above the seeds in use
+# would do.)
+ACTOR_SEED_STRIDE = 7919
 # "weights": an update runs beside a generate in flight (its in_flight mode decides what happens to it)
 _Actor = ray.remote(concurrency_groups={"control": 2, "weights": 1})(FleetActor)
 
@@ -59,12 +66,10 @@ class RolloutFleet:
     def __init__(self, model: Any, num_workers: int = 2, config: WorkerConfig | None = None,
                  resources: FleetResources | dict | None = None, tokenizer: Any = None, chunks_per_worker: int = 1,
                  startup_timeout_s: float = 600, ray_init: dict | None = None) -> None:
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-            raise invalid("num_workers", num_workers, "must be an integer >= 1", "use e.g. one per GPU")
+        check_int("num_workers", num_workers, 1, "use e.g. one per GPU")
         self.config = config if config is not None else WorkerConfig()
-        if isinstance(chunks_per_worker, bool) or not isinstance(chunks_per_worker, int) or chunks_per_worker < 1:
-            raise invalid("chunks_per_worker", chunks_per_worker, "must be an integer >= 1",
-                          "use 1 (default: biggest engine batches) or more to rebalance uneven actors")
+        check_int("chunks_per_worker", chunks_per_worker, 1,
+                  "use 1 (default: biggest engine batches) or more to rebalance uneven actors")
         self.num_workers, self.chunks_per_worker = num_workers, chunks_per_worker
         self.startup_timeout_s = startup_timeout_s
         self.resources = FleetResources.of(resources)
@@ -78,7 +83,8 @@ class RolloutFleet:
         self.max_context = getattr(model_config.get_text_config(), "max_position_embeddings", None)
         self._lock = threading.RLock()  # fleet state; never held across a wait for actors' results
         self._calls = ThreadPoolExecutor(1, thread_name_prefix="rollout-fleet")  # submitted calls, in order
-        self._actors, self._starting, self._down, self._pg, self._group = [], {}, set(), None, None
+        self._actors, self._starting, self._down, self._pg = [], {}, set(), None
+        self._transport: WeightTransport = ObjectStore()
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             ray.init(**{"include_dashboard": False, **(ray_init or {})})
@@ -140,8 +146,7 @@ class RolloutFleet:
         newest = max((max(r.token_versions or [r.policy_version]) for r in rows), default=0)
         if newest > self.version:
             raise RuntimeError(f"rollout bug: a row from version {newest}, fleet is at {self.version}")
-        pad = getattr(self.tokenizer, "pad_token_id", None)
-        return RolloutBatch.from_rows(rows, pad_token_id=pad if pad is not None else 0, tokenizer=self.tokenizer)
+        return RolloutBatch.from_rows(rows, pad_token_id=pad_token_id(self.tokenizer), tokenizer=self.tokenizer)
 
     def score(self, prompts: Sequence[Any], completions: Sequence[Any], temperature: Any = 1.0,
               timeout: float | None = None, **kwargs) -> list[torch.Tensor]:
@@ -167,24 +172,22 @@ class RolloutFleet:
         order on every actor, one at a time."""
         mode = self.config.in_flight if in_flight is None else in_flight
         check_in_flight(mode)
+        check_version(version)
         items = list(weights.items()) if isinstance(weights, dict) else list(weights)
         plan_update(self._shapes, items, full=full)
-        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
-            raise ValueError(f"version={version!r} is invalid: must be a non-negative int. Fix: pass e.g. the "
-                             "trainer's step number, or None to increment.")
         with self._lock:
             new_version = self.version + 1 if version is None else version
             self._await_starts()
-            ref = None
-            if self._group is None or not self._broadcast(items, new_version, full, mode):  # else the object store
-                ref = ray.put(to_shared(items))  # one copy into shared memory; actors read it in place
-                self._on_ready(lambda actor: actor.update_weights.options(concurrency_group="weights").remote(
-                    ref, new_version, full, mode))
+            pool = _Pool(self)
+            try:
+                replay = self._transport.send(pool, items, new_version, full, mode)
+            except TransportFailed:  # someone may have missed it: everyone gets it again through the object store
+                replay = ObjectStore().send(pool, items, new_version, full, mode)
             self.version = new_version
-            if ref is None or self._state_names <= {name for name, _ in items}:
-                self._log = [ref] if ref is not None else None
-            elif self._log is not None:
-                self._log.append(ref)
+            if replay is None or self._state_names <= {name for name, _ in items}:  # a full update replaces the
+                self._replay = [replay] if replay is not None else None  # history; one not retained ends it
+            elif self._replay is not None:
+                self._replay.append(replay)
             self._fingerprint = None
             self._settle()
             return new_version
@@ -194,14 +197,9 @@ class RolloutFleet:
         backend = backend or ("nccl" if self.resources.num_gpus > 0 else "gloo")
         with self._lock:
             self._await_starts()
-            slots = sorted(self._ready())
-            host, port = ray.util.get_node_ip_address(), free_port()
-            refs = [self._actors[s].join_group.remote(backend, host, port, i + 1, len(slots) + 1, timeout_s)
-                    for i, s in enumerate(slots)]
-            self._group = None
-            self._group = WeightGroup(backend, host, port, 0, len(slots) + 1, timeout_s)
-            ray.get(refs)
-            self._group_stale = False
+            self._transport.close()  # leave any previous group first; if the new one fails, the object store remains
+            self._transport = ObjectStore()
+            self._transport = Collective(_Pool(self), backend, timeout_s)
 
     def weights_fingerprint(self) -> str:
         """The fingerprint every actor reports (they must agree; see rollout.weights.fingerprint)."""
@@ -214,7 +212,9 @@ class RolloutFleet:
         self._calls.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             ready = [self._actors[slot] for slot in sorted(self._ready())]  # a starting actor is just killed
-            actors, self._actors, self._starting, self._group = [a for a in self._actors if a], [], {}, None
+            actors, self._actors, self._starting = [a for a in self._actors if a], [], {}
+            self._transport.close()
+            self._transport = ObjectStore()
             if ray.is_initialized():
                 if ready:  # never wait long for a hung engine
                     ray.wait([a.close.remote() for a in ready], num_returns=len(ready), timeout=10)
@@ -316,32 +316,6 @@ class RolloutFleet:
         return values, lost
 
     # ------------------------------------------------------------------ weights
-    def _broadcast(self, items: list, version: int, full: bool, mode: str) -> bool:
-        """Update over the torch.distributed group; False when it failed and the object store must be used."""
-        _, lost = self._on_ready(lambda actor: actor.info.options(concurrency_group="control").remote())
-        if lost or self._group_stale:  # membership changed: rebuild the group with the actors there are now
-            for slot in lost:
-                self._replace(slot)
-            self._await_starts()
-            self.init_weight_group(self._group.backend)
-        buckets = layout(items, bucket_mb=256)
-        slots = sorted(self._ready())
-        refs = [self._actors[s].receive_weights.options(concurrency_group="weights").remote(buckets, version, full,
-                                                                                             mode) for s in slots]
-        try:
-            self._group.send(buckets, dict(items))
-            ray.get(refs)
-            return True
-        except Exception:  # a rank died mid-broadcast: drop the group; who did not finish is replaced later
-            self._group_stale = True
-            finished, _ = ray.wait(refs, num_returns=len(refs), timeout=5)
-            for slot, ref in zip(slots, refs):
-                if ref not in finished:
-                    with contextlib.suppress(Exception):
-                        ray.kill(self._actors[slot], no_restart=True)
-                    self._down.add(slot)
-            return False
-
     def _settle(self) -> None:
         """Ready actors must report one (version, fingerprint), at the fleet's version; then the dead are replaced
         (checked against it) and waited for."""
@@ -362,8 +336,8 @@ class RolloutFleet:
         self._tokenizer_ref = ray.put(tokenizer) if tokenizer is not None else None  # else loaded from the path
         self._cluster_cpus = ray.cluster_resources().get("CPU", 1.0)
         self._pg = self._placement_group(self.startup_timeout_s)
-        self.version, self._fingerprint, self._log = 0, None, []  # _log: updates a replacement replays
-        self._group_stale = False
+        self.version, self._fingerprint = 0, None
+        self._replay: list | None = []  # updates a replacement replays, in order; None: the last one was not retained
         self._restarts = [0] * self.num_workers
         self._failures = [MAX_START_FAILURES - 1] * self.num_workers  # a first start that fails is final
         self._info: list[dict] = [{} for _ in range(self.num_workers)]
@@ -382,10 +356,10 @@ class RolloutFleet:
             with contextlib.suppress(Exception):
                 ray.kill(old, no_restart=True)
             self._restarts[slot] += 1
-            self._group_stale = self._group is not None
+            self._transport.actor_replaced()
         updates = self._restore_updates(slot)
-        config = dataclasses.replace(self.config, seed=self.config.seed + 7919 * (slot + self.num_workers *
-                                                                                   self._restarts[slot]))
+        config = dataclasses.replace(self.config, seed=self.config.seed + ACTOR_SEED_STRIDE * (
+            slot + self.num_workers * self._restarts[slot]))
         actor = _Actor.options(**self._actor_options(slot)).remote(self._source, config, self._tokenizer_ref,
                                                                    self.resources.threads(self.num_workers))
         self._actors[slot] = actor
@@ -393,8 +367,8 @@ class RolloutFleet:
         self._starting[slot] = actor.sync.remote(self.version, *updates)
 
     def _restore_updates(self, slot: int) -> list:
-        if self._log is not None:
-            return list(self._log)
+        if self._replay is not None:
+            return list(self._replay)
         peers = sorted(self._ready() - {slot})
         if not peers:
             raise RuntimeError(f"actor {slot} cannot be restored: no live actor holds version {self.version} and that "
@@ -450,6 +424,30 @@ class RolloutFleet:
             raise RuntimeError(f"placement group of {self.num_workers} x {bundle} ({strategy}) could not be placed "
                                f"in {timeout_s}s; cluster has {ray.cluster_resources()}") from None
         return pg
+
+
+class _Pool:
+    """The fleet as a weight transport sees it (transport.ActorPool), called under the fleet's lock."""
+
+    def __init__(self, fleet: RolloutFleet) -> None:
+        self.fleet = fleet
+
+    def ready(self) -> dict[int, Any]:
+        return {slot: self.fleet._actors[slot] for slot in sorted(self.fleet._ready())}
+
+    def on_ready(self, call: Callable) -> tuple[dict[int, Any], list[int]]:
+        return self.fleet._on_ready(call)
+
+    def replace(self, slot: int) -> None:
+        self.fleet._replace(slot)
+
+    def await_starts(self) -> None:
+        self.fleet._await_starts()
+
+    def drop(self, slot: int) -> None:
+        with contextlib.suppress(Exception):
+            ray.kill(self.fleet._actors[slot], no_restart=True)
+        self.fleet._down.add(slot)
 
 
 class FleetFuture:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ..errors import invalid
+from ..errors import check_int, invalid
 
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -43,9 +43,8 @@ class FleetResources:
         if self.placement is not None and self.placement not in PLACEMENTS:
             raise invalid("placement", self.placement, f"must be one of {PLACEMENTS} or None",
                           "use 'PACK' (actors on as few nodes as possible) or 'SPREAD'")
-        if self.torch_threads is not None and (isinstance(self.torch_threads, bool) or
-                                               not isinstance(self.torch_threads, int) or self.torch_threads < 1):
-            raise invalid("torch_threads", self.torch_threads, "must be an integer >= 1", "use None for the default")
+        if self.torch_threads is not None:
+            check_int("torch_threads", self.torch_threads, 1, "use None for the default")
 
     @classmethod
     def of(cls, value: "FleetResources | dict | None") -> "FleetResources":

@@ -1,7 +1,7 @@
 """Offline re-scoring: exact teacher-forced logprobs of stored (prompt, completion) pairs, packed and padding-free.
 
-May import torch, transformers' public model, attention and mask interfaces, and rollout's leaf modules; never the
-continuous-batching engine (tests/test_layout.py checks it). Files: `score.py` (the API), `packing.py` (packing
+May import torch, transformers' public model, attention and mask interfaces, and rollout's leaf modules (`errors`,
+and `loading` for a checkpoint path); never the continuous-batching engine (tests/test_layout.py checks it). Files: `score.py` (the API), `packing.py` (packing
 pairs into padding-free batches with a block-diagonal mask).
 """
 

@@ -4,7 +4,7 @@ Contract:
 - Row i is `log_softmax(logits / T)[completion token]` for each completion token of pair i, float32 on the CPU,
   equal to a plain per-sequence forward of prompt + completion (<= 1e-5 in fp32). T = 0 means greedy: the raw
   distribution (T = 1), as the engine reports it.
-- Pairs are packed in input order into one-row batches of at most `max_batch_tokens` fed tokens (rollout.packing);
+- Pairs are packed in input order into one-row batches of at most `max_batch_tokens` fed tokens (packing.py);
   sequences are isolated by a block-diagonal causal mask (sdpa, eager) or the varlen kernels (flash). A pair longer
   than the budget is scored alone in its own batch. Only the rows of logits that predict completion tokens are
   computed (`logits_to_keep`), and they are turned into fp32 logprobs a chunk of rows at a time.
@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from ..errors import invalid
+from ..errors import check_int, invalid, preview
+from ..loading import load_model
 from .packing import Pack, Pair, batches, block_causal_mask, build_pack
 
 DEFAULT_MAX_BATCH_TOKENS = 2048
@@ -78,7 +79,7 @@ def score_details(model_or_path: Any, prompts: Sequence[Any], completions: Seque
         raise invalid("completions", f"{len(completions)} completions", f"must be one per prompt ({len(prompts)})",
                       "pass exactly one completion for each prompt")
     temps = _temperatures(temperature, len(prompts))
-    model, tokenizer = _resolve(model_or_path, tokenizer)
+    model, tokenizer = load_model(model_or_path, tokenizer)
     _check_options(model, max_batch_tokens, top_k)
     limits = _limits(model)
     pairs = [_pair(i, p, c, t, tokenizer, limits) for i, (p, c, t) in enumerate(zip(prompts, completions, temps))]
@@ -95,7 +96,7 @@ def score_iter(model_or_path: Any, pairs: Iterable[tuple[Any, Any]], temperature
     raises a ValueError naming its index after every earlier pair's result has been yielded.
     """
     (temp,) = _temperatures(temperature, 1)
-    model, tokenizer = _resolve(model_or_path, tokenizer)
+    model, tokenizer = load_model(model_or_path, tokenizer)
     _check_options(model, max_batch_tokens, top_k)
     limits = _limits(model)
     checked = (_pair(i, *_two(i, item), temp, tokenizer, limits) for i, item in enumerate(pairs))
@@ -223,21 +224,21 @@ def _pair(index: int, prompt: Any, completion: Any, temperature: float, tokenize
 def _ids(name: str, value: Any, tokenizer: Any, where: str) -> list[int]:
     if isinstance(value, str):
         if tokenizer is None:
-            raise invalid(name, _preview(value), "text needs a tokenizer",
+            raise invalid(name, preview(value), "text needs a tokenizer",
                           "pass tokenizer=..., a checkpoint directory that holds one, or token ids", where)
         return list(tokenizer(value, add_special_tokens=False)["input_ids"])
     if hasattr(value, "tolist"):  # a torch tensor or numpy array
         value = value.tolist()
     if not isinstance(value, (list, tuple)) or not all(isinstance(t, Integral) and not isinstance(t, bool)
                                                         for t in value):
-        raise invalid(name, _preview(value), "must be a list of int token ids or a string",
+        raise invalid(name, preview(value), "must be a list of int token ids or a string",
                       "pass token ids such as [1, 2, 3]", where)
     return [int(t) for t in value]
 
 
 def _two(index: int, item: Any) -> tuple[Any, Any]:
     if isinstance(item, (str, bytes)) or not isinstance(item, Sequence) or len(item) != 2:
-        raise invalid("pair", _preview(item), "must be a (prompt, completion) pair",
+        raise invalid("pair", preview(item), "must be a (prompt, completion) pair",
                       "yield 2-tuples such as ([1, 2], [3, 4])", f"pair {index}")
     return item[0], item[1]
 
@@ -245,7 +246,7 @@ def _two(index: int, item: Any) -> tuple[Any, Any]:
 def _temperatures(temperature: Any, count: int) -> list[float]:
     temps = [temperature] * count if isinstance(temperature, (int, float)) else temperature
     if isinstance(temps, (str, bytes)) or not isinstance(temps, Sequence) or len(temps) != count:
-        raise invalid("temperature", _preview(temperature), f"must be one number or one per pair ({count})",
+        raise invalid("temperature", preview(temperature), f"must be one number or one per pair ({count})",
                       "pass e.g. temperature=1.0", "")
     for i, t in enumerate(temps):
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
@@ -257,31 +258,5 @@ def _temperatures(temperature: Any, count: int) -> list[float]:
 
 def _check_options(model, max_batch_tokens: int, top_k: int) -> None:
     _packed_attention(model, model.config._attn_implementation)  # refuses flash off CUDA now, not mid-stream
-    if isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
-        raise invalid("max_batch_tokens", max_batch_tokens, "must be a positive int",
-                      "use e.g. 2048 on CPU, 8192-32768 on GPU")
-    vocab = _limits(model).vocab_size
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= vocab:
-        raise invalid("top_k", top_k, f"must be an int in [0, {vocab}]", "use 0 for no alternatives, or e.g. 5")
-
-
-def _resolve(model_or_path: Any, tokenizer: Any) -> tuple[Any, Any]:
-    """A model is used as is; a checkpoint directory is loaded (fp32 sdpa on CPU; its dtype, on CUDA if present)."""
-    if hasattr(model_or_path, "forward"):
-        return model_or_path, tokenizer
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    cuda = torch.cuda.is_available()
-    model = AutoModelForCausalLM.from_pretrained(model_or_path, dtype="auto" if cuda else torch.float32,
-                                                 attn_implementation="sdpa")
-    model.to("cuda" if cuda else "cpu")
-    if tokenizer is None:
-        with contextlib.suppress(OSError, ValueError):  # no tokenizer saved: token-id inputs still work
-            tokenizer = AutoTokenizer.from_pretrained(model_or_path)
-    return model, tokenizer
-
-
-def _preview(value: Any) -> Any:
-    """The value itself when short (the error message reprs it), else the start of its repr."""
-    text = repr(value)
-    return value if len(text) <= 60 else text[:57] + "..."
+    check_int("max_batch_tokens", max_batch_tokens, 1, "use e.g. 2048 on CPU, 8192-32768 on GPU")
+    check_int("top_k", top_k, 0, "use 0 for no alternatives, or e.g. 5", maximum=_limits(model).vocab_size)

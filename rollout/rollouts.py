@@ -1,0 +1,54 @@
+"""Rollouts: what a trainer may rely on of the rollout side, whichever it is.
+
+`RolloutWorker` (one engine in this process) and `RolloutFleet` (many, on Ray actors) both satisfy it, so a trainer
+types against `Rollouts` and takes either (tests/test_worker.py checks both, by signature). A worker that shares
+the trainer's model also has `refresh(version)` (the weights changed in place: no copy); that is the worker's own,
+and a trainer checks for it (`worker.model is policy`) before calling it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from .batch import RolloutBatch
+from .env import EnvFactory
+from .params import SamplingParams
+
+
+@runtime_checkable
+class Rollouts(Protocol):
+    tokenizer: Any  # the tokenizer text prompts are encoded with, or None (token-id prompts only)
+
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights rows are generated with now (set by update_weights)."""
+
+    def generate(self, prompts: Sequence[Any], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                 chat_template: bool = False, timeout: float | None = None, env: EnvFactory | None = None,
+                 max_turns: int = 1, max_episode_tokens: int | None = None,
+                 env_timeout: float | None = 300.0) -> RolloutBatch:
+        """Every sample of every prompt, rows prompt-major; the whole call is validated before any work. With `env`,
+        every sample is a multi-turn episode (docs/episodes.md)."""
+
+    def submit(self, prompts: Sequence[Any], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+               chat_template: bool = False, env: EnvFactory | None = None, max_turns: int = 1,
+               max_episode_tokens: int | None = None, env_timeout: float | None = 300.0) -> Any:
+        """`generate`, returning at once a future (`done()`, `result(timeout)`, `cancel()`; docs/async.md)."""
+
+    def update_weights(self, weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                       version: int | None = None, full: bool = False, in_flight: str | None = None) -> int:
+        """New weights, validated then applied atomically; returns the new version. `in_flight` says what happens
+        to calls in flight: "wait", "abort", "recompute" or "keep"."""
+
+    def weights_fingerprint(self) -> str:
+        """A short hash of the weights held, equal to `rollout.weights.fingerprint` of the same weights."""
+
+    def score(self, prompts: Sequence[Any], completions: Sequence[Any], temperature: Any = 1.0,
+              **kwargs: Any) -> list[torch.Tensor]:
+        """Teacher-forced logprobs of stored completions with the rollout side's weights (see rollout.scoring)."""
+
+    def close(self) -> None:
+        """Stop the engine(s); the object is unusable afterwards."""

@@ -1,0 +1,49 @@
+"""What every trainer on the rollout engine is configured with: how to sample, how many optimizer steps per batch, the
+clip range and the batch shape. GRPOConfig and PPOConfig add their own fields (and their own defaults)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from rollout import SamplingParams
+from rollout.errors import check_int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutTrainerConfig:
+    """num_generations: samples per prompt. temperature, max_new_tokens, stop_token_ids: sampling (no top-k / top-p:
+        the behaviour policy must be the full-vocabulary distribution the trainer recomputes).
+    num_epochs: optimizer steps per batch. clip_low, clip_high: ratio clip range [1 - clip_low, 1 + clip_high].
+    max_grad_norm: gradient clipping (None: off). micro_batch_size: rows per forward (None: the whole batch).
+    chat_template: apply the tokenizer's chat template to text prompts.
+    """
+
+    num_generations: int = 1
+    temperature: float = 1.0
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] | None = None
+    num_epochs: int = 1
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    max_grad_norm: float | None = 1.0
+    micro_batch_size: int | None = None
+    chat_template: bool = False
+
+    def __post_init__(self) -> None:
+        check_int("num_generations", self.num_generations, 1, "use e.g. 1 or 8")
+        check_int("num_epochs", self.num_epochs, 1, "use e.g. 1 or 8")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature > 0):
+            raise ValueError(f"temperature={self.temperature!r} is invalid: training needs sampled rollouts. Fix: "
+                             "use a temperature > 0, e.g. 1.0.")
+        for name in ("clip_low", "clip_high"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be in [0, 1). Fix: use e.g. 0.2.")
+        if self.micro_batch_size is not None:
+            check_int("micro_batch_size", self.micro_batch_size, 1, "use None for the whole batch")
+
+    def sampling(self) -> SamplingParams:
+        """What every step asks the rollout side for."""
+        return SamplingParams(n=self.num_generations, temperature=self.temperature,
+                              max_new_tokens=self.max_new_tokens, stop_token_ids=self.stop_token_ids)
