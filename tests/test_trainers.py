@@ -368,6 +368,59 @@ def test_a_trainer_without_reward_fn_or_episodes_fails_before_generating(tiny):
     assert calls == []
 
 
+# ------------------------------------------------------------------------------------------ asynchronous rollouts
+def test_async_grpo_trains_on_batches_at_most_one_version_old_whose_tokens_span_the_switch(tiny_path, monkeypatch):
+    model, tok = load_tiny_model(tiny_path)
+    batches = []
+    with RolloutWorker(tiny_path, WorkerConfig()) as worker:
+        real_submit = worker.submit
+
+        def spy(*args, **kwargs):
+            future = real_submit(*args, **kwargs)
+            batches.append(future)
+            return future
+
+        monkeypatch.setattr(worker, "submit", spy)
+        config = GRPOConfig(num_generations=4, max_new_tokens=24, async_rollouts=True, tis_cap=2.0)
+        trainer = GRPOTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), digit_reward(tok),
+                              lambda step: ids(tok), worker, config)
+        history = trainer.train(4)
+        trainer.close()
+        assert worker.policy_version == 4 and worker.weights_fingerprint() == _fingerprint(model)
+    assert [m["staleness"] for m in history] == [0.0, 1.0, 1.0, 1.0] and history[-1]["dropped_batches"] == 0.0
+    assert len(batches) == 5  # steps 0..4 submitted: step t+1 was generating while step t trained
+    trained = [f.result() for f in batches[1:4]]
+    assert all(int(b.token_versions[b.action_mask].min()) == t for t, b in enumerate(trained))
+    assert all(math.isfinite(m["loss"]) for m in history)
+
+
+def test_a_batch_older_than_max_staleness_is_dropped_and_regenerated(tiny_path, tiny):
+    from trainers_integration.pipeline import Pipeline, staleness
+
+    model, tok = tiny
+    with RolloutWorker(tiny_path, WorkerConfig()) as worker:
+        pipeline = Pipeline(worker, lambda step: ids(tok), SamplingParams(n=2, max_new_tokens=4), False, None, 1)
+        assert staleness(pipeline.batch(0, 0), 0) == 0  # and step 1 is submitted at version 0
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        worker.update_weights(state, version=1, in_flight="wait")
+        worker.update_weights(state, version=2, in_flight="wait")
+        batch = pipeline.batch(1, 2)  # step 1's tokens are 2 versions old: dropped, regenerated at version 2
+        assert pipeline.num_dropped == 1 and staleness(batch, 2) == 0
+        pipeline.close()
+
+
+def test_async_rollouts_refuse_a_worker_sharing_the_policy(tiny):
+    model, tok = tiny
+    with RolloutWorker(model, WorkerConfig(), tokenizer=tok) as worker:
+        with pytest.raises(ValueError, match="async_rollouts=True is invalid with a RolloutWorker that shares"):
+            GRPOTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), digit_reward(tok), lambda s: ids(tok),
+                        worker, GRPOConfig(async_rollouts=True))
+    with pytest.raises(ValueError, match="in_flight"):
+        GRPOConfig(async_rollouts=True, in_flight="soon")
+    with pytest.raises(ValueError, match="max_staleness"):
+        GRPOConfig(async_rollouts=True, max_staleness=0)
+
+
 # ------------------------------------------------------------------------------------------ the demo, shortened
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory):
@@ -400,6 +453,17 @@ def test_the_multi_turn_demo_runs_episodes_and_plots_the_blind_ceiling(demo_dir,
     assert rc == 0 and "recall episodes" in out[0] and plot.read_bytes()[:4] == b"\x89PNG"
     records = [json.loads(line) for line in (demo_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["num_turns"] for r in records] == [2.0] * 3 and max(r["logprob_gap_max"] for r in records) < GAP
+
+
+def test_the_async_demo_learns_like_the_synchronous_one(demo_dir, tmp_path, capsys):
+    from trainers_integration.demo import main
+
+    rc = main(["--async", "--steps", "12", "--lr", "1e-2", "--seed", "0", "--out", str(demo_dir), "--plot", "",
+               "--min-gain", "0.2"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0 and "asynchronous rollouts" in out[0], "\n".join(out)
+    records = [json.loads(line) for line in (demo_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["staleness"] for r in records][1:] == [1.0] * 11 and records[-1]["dropped_batches"] == 0.0
 
 
 def test_demo_exits_nonzero_when_the_reward_does_not_rise(demo_dir, capsys):

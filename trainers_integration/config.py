@@ -7,7 +7,8 @@ import math
 from dataclasses import dataclass
 
 from rollout import SamplingParams
-from rollout.errors import check_int
+from rollout.config import check_in_flight
+from rollout.errors import check_int, invalid
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -17,6 +18,12 @@ class RolloutTrainerConfig:
     num_epochs: optimizer steps per batch. clip_low, clip_high: ratio clip range [1 - clip_low, 1 + clip_high].
     max_grad_norm: gradient clipping (None: off). micro_batch_size: rows per forward (None: the whole batch).
     chat_template: apply the tokenizer's chat template to text prompts.
+    async_rollouts: submit the rollouts of the next `max_staleness` steps before each step trains, so generation
+        overlaps training (the rollout side must hold its own weights: a RolloutWorker on a checkpoint, or a fleet).
+    max_staleness: how many versions behind the policy a batch's oldest model token may be; an older batch is
+        dropped and regenerated (metric `dropped_batches`).
+    in_flight: how the weights pushed after a step land on the rollouts in flight (async only): "recompute"
+        (default: every token exact under the version that produced it), "keep", "wait" or "abort".
     """
 
     num_generations: int = 1
@@ -29,6 +36,9 @@ class RolloutTrainerConfig:
     max_grad_norm: float | None = 1.0
     micro_batch_size: int | None = None
     chat_template: bool = False
+    async_rollouts: bool = False
+    max_staleness: int = 1
+    in_flight: str = "recompute"
 
     def __post_init__(self) -> None:
         check_int("num_generations", self.num_generations, 1, "use e.g. 1 or 8")
@@ -42,6 +52,11 @@ class RolloutTrainerConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be in [0, 1). Fix: use e.g. 0.2.")
         if self.micro_batch_size is not None:
             check_int("micro_batch_size", self.micro_batch_size, 1, "use None for the whole batch")
+        if not isinstance(self.async_rollouts, bool):
+            raise invalid("async_rollouts", self.async_rollouts, "must be a bool", "use True or False")
+        check_int("max_staleness", self.max_staleness, 1 if self.async_rollouts else 0,
+                  "allow at least 1 version of staleness (the rollouts of the next step overlap this one)")
+        check_in_flight(self.in_flight)
 
     def sampling(self) -> SamplingParams:
         """What every step asks the rollout side for."""

@@ -17,6 +17,12 @@ blind to observations cannot average more than 0.1, so a reward that climbs past
 working end to end (observation tokens in the context, masked out of the loss).
 
     rollout demo --env recall
+
+With `--async` the rollouts of step t+1 are generated while step t trains (max_staleness 1, truncated importance
+sampling against the per-token behaviour logprobs), by a worker holding its own copy of the weights that receives
+them after every step under in_flight="recompute".
+
+    rollout demo --async
 """
 
 from __future__ import annotations
@@ -58,6 +64,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "8, 16 with --env)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="completion budget (default 16; per "
                         "turn with --env: 4)")
+    parser.add_argument("--async", dest="async_rollouts", action="store_true", help="overlap rollouts with "
+                        "training (max_staleness 1, a worker with its own copy of the weights)")
     parser.add_argument("--env", choices=sorted(ENVS), default=None, help="train on multi-turn episodes of this "
                         "environment instead of the single-turn task")
     parser.add_argument("--min-gain", type=float, default=0.3, help="exit 1 unless last - first reward >= this")
@@ -127,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     model, tokenizer = load_tiny_model(build_tiny_model(out / "model", seed=args.seed))
     ref = copy.deepcopy(model).eval().requires_grad_(False)
-    config = GRPOConfig(num_generations=args.generations, max_new_tokens=args.max_new_tokens, temperature=1.0)
+    config = GRPOConfig(num_generations=args.generations, max_new_tokens=args.max_new_tokens, temperature=1.0,
+                        async_rollouts=args.async_rollouts, tis_cap=2.0 if args.async_rollouts else None)
     if args.env:
         make_env = ENVS[args.env](tokenizer, args.seed)
         reward_fn, episodes = None, EpisodeSpec(make_env, max_turns=2)
@@ -135,12 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         make_env, reward_fn, episodes = None, target_reward(tokenizer.convert_tokens_to_ids(TARGET)), None
         task = f"reward = fraction of tokens that are {TARGET!r}"
+    if args.async_rollouts:
+        task += "; asynchronous rollouts (max staleness 1)"
     print(f"demo: GRPO on a tiny {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter policy, {task}; "
           f"{args.steps} steps x {args.prompts} prompts x {args.generations} samples, lr {args.lr}, seed {args.seed}",
           flush=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     rewards = []
-    with RolloutWorker(model, WorkerConfig(seed=args.seed), tokenizer=tokenizer) as worker, \
+    source = out / "model" if args.async_rollouts else model  # async: the worker holds its own copy
+    with RolloutWorker(source, WorkerConfig(seed=args.seed), tokenizer=tokenizer) as worker, \
             open(out / "metrics.jsonl", "w") as log:
         trainer = GRPOTrainer(model, optimizer, reward_fn, make_prompts(tokenizer, args.prompts, args.seed), worker,
                               config, ref_model=ref, episodes=episodes)
@@ -151,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             rewards.append(metrics["reward_mean"])
             log.write(json.dumps(metrics) + "\n")
             print(format_metrics(metrics), flush=True)
+        trainer.close()
     tail = rewards[-max(3, len(rewards) // 10):]  # the last tenth of the run (at least 3 steps)
     first, last = rewards[0], sum(tail) / len(tail)
     if args.plot:

@@ -9,13 +9,16 @@ Contract of one step:
 1. `rollouts.generate(prompts, SamplingParams(n=num_generations, temperature=T, ...))`; rows come back prompt-major.
 2. `reward_fn(batch) -> R floats`; advantages are group-normalised per prompt (`losses.group_advantages`).
 3. `num_epochs` passes over the batch, one optimizer step each. The behaviour policy of the clipped ratio is the
-   rollout's own `logprobs` (full-vocabulary log_softmax(logits / T), what this trainer's forward recomputes), or,
-   with `tis_cap`, the trainer's logprobs at the start of the step with a truncated importance weight
-   min(pi_trainer / pi_rollout, tis_cap) for rollouts from stale or numerically different weights.
-4. The rollout side gets the new weights: `refresh()` for a worker sharing the policy, `update_weights` otherwise.
+   rollout's own per-token `sampling_logprobs` (here equal to its full-vocabulary log_softmax(logits / T), what this
+   trainer's forward recomputes: no top-k / top-p), or, with `tis_cap`, the trainer's logprobs at the start of the
+   step (the proximal policy) with a truncated importance weight min(pi_proximal / pi_behaviour, tis_cap) per token,
+   for rollouts from stale (asynchronous) or numerically different weights.
+4. The rollout side gets the new weights: `refresh()` for a worker sharing the policy, `update_weights` otherwise
+   (with `async_rollouts`, under `in_flight`, while the next steps' rollouts are still generating).
 
 Logged per step: reward mean/std, KL to the reference (when given), clip fraction, rollout tokens/s, rollout /
-train / refresh seconds, and the train/rollout logprob gap on the first epoch (~1e-6 for a shared in-place worker).
+train / refresh seconds, and the behaviour/proximal logprob gap on the first epoch (`logprob_gap_*`: ~1e-6 for a
+synchronous loop, larger as asynchronous batches grow stale), staleness and dropped batches.
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ class GRPOTrainer(RolloutLoop):
         cfg, device = self.config, self.device
         advantages = losses.group_advantages(rewards, cfg.num_generations, scale=cfg.scale_rewards)
         mask = batch.action_mask.to(device)  # the model's own tokens: episodes' observations are not trained on
-        rollout_lp = batch.logprobs.to(device)
+        rollout_lp = batch.sampling_logprobs.to(device)  # the behaviour policy, per token (== logprobs: no top-k/p)
         advantages = advantages.to(device)
         ref = ref.to(device) if ref is not None else None
         old_lp = torch.zeros_like(rollout_lp)  # the trainer's logprobs at the start of the step (epoch 0)
@@ -133,7 +136,7 @@ class GRPOTrainer(RolloutLoop):
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": totals["loss"], "kl": totals["kl"] if ref is not None else float("nan"),
                 "clip_frac": totals["clip"], "grad_norm": totals["grad_norm"], "logprob_gap_max": gap_max,
-                "logprob_gap_mean": gap_sum / max(num_tokens, 1)}
+                "logprob_gap_mean": gap_sum / max(num_tokens, 1)}  # behaviour vs proximal (the trainer at step start)
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float | None) -> float:

@@ -2,7 +2,8 @@
 
 A trainer subclasses `RolloutLoop` and implements `_update(batch, rewards, ref) -> dict of stats`; the loop owns
 the prompt stream, the rollout side's versioning (rollout versions continue from the worker's at construction),
-the timing and the metrics every step logs.
+the timing and the metrics every step logs. With `config.async_rollouts` the rollouts come from a `Pipeline`
+(pipeline.py): submitted ahead, overlapping training, at most `max_staleness` versions old.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from rollout import EpisodeSpec, RolloutBatch, Rollouts
 
 from .config import RolloutTrainerConfig
+from .pipeline import Pipeline, staleness
 from .rollouts import (PromptsExhausted, prompt_stream, push_weights, reference_logprobs, rewards_tensor,
                        shares_model, timed_generate)
 
@@ -32,8 +34,17 @@ class RolloutLoop:
         self.num_steps = 0
         self.history: list[dict[str, float]] = []
         self.base_version = int(getattr(self.rollouts, "policy_version", 0))  # rollout versions continue from here
-        if not shares_model(self.rollouts, self.model):  # an own copy or a fleet: start from the policy's weights
+        shared = shares_model(self.rollouts, self.model)
+        if self.config.async_rollouts and shared:
+            raise ValueError("async_rollouts=True is invalid with a RolloutWorker that shares the policy in place: "
+                             "training would change the weights under the rollouts in flight. Fix: give the rollout "
+                             "side its own copy (RolloutWorker(checkpoint_path) or a RolloutFleet), or use "
+                             "async_rollouts=False.")
+        if not shared:  # an own copy or a fleet: start from the policy's weights
             push_weights(self.rollouts, self.model, version=self.base_version)
+        self.pipeline = None if not self.config.async_rollouts else Pipeline(
+            self.rollouts, self._prompts, self.config.sampling(), self.config.chat_template, episodes,
+            self.config.max_staleness)
 
     @property
     def device(self) -> torch.device:
@@ -57,15 +68,21 @@ class RolloutLoop:
                              "reward_fn(batch) -> R floats, or episodes=EpisodeSpec(make_env) to use the "
                              "environments' rewards.")
         start = time.perf_counter()
-        batch, rollout_s = timed_generate(self.rollouts, self._prompts(self.num_steps), cfg.sampling(),
-                                          cfg.chat_template, self.episodes)
+        version = self.base_version + self.num_steps  # of the weights the rollout side holds now
+        if self.pipeline is None:
+            batch, rollout_s = timed_generate(self.rollouts, self._prompts(self.num_steps), cfg.sampling(),
+                                              cfg.chat_template, self.episodes)
+        else:
+            batch = self.pipeline.batch(self.num_steps, version)
+            rollout_s = time.perf_counter() - start  # what the step waited for: the rest overlapped training
         rewards = rewards_tensor(self.reward_fn(batch) if self.reward_fn is not None else batch.rewards, len(batch))
         ref = reference_logprobs(self.ref_model, batch, cfg.temperature) if self.ref_model is not None else None
         train_start = time.perf_counter()
         stats = self._update(batch, rewards, ref)
         train_s = time.perf_counter() - train_start
         self.num_steps += 1
-        refresh_s = push_weights(self.rollouts, self.model, version=self.base_version + self.num_steps)
+        refresh_s = push_weights(self.rollouts, self.model, version=self.base_version + self.num_steps,
+                                 in_flight=cfg.in_flight if self.pipeline is not None else None)
         metrics = {
             "step": self.num_steps, "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0, **stats,
@@ -74,11 +91,17 @@ class RolloutLoop:
             "episode_errors": float(sum(1 for e in batch.errors if e)),
             "rollout_tokens": batch.num_tokens, "rollout_tokens_per_s": batch.num_tokens / max(rollout_s, 1e-9),
             "rollout_s": rollout_s, "train_s": train_s, "refresh_s": refresh_s,
-            "staleness": float(self.base_version + self.num_steps - 1 - int(batch.policy_version.min())),
+            "staleness": float(staleness(batch, version)),
+            "dropped_batches": float(self.pipeline.num_dropped if self.pipeline is not None else 0),
             "step_s": time.perf_counter() - start,
         }
         self.history.append(metrics)
         return metrics
+
+    def close(self) -> None:
+        """Cancel the rollouts an asynchronous loop submitted ahead (a no-op for a synchronous one)."""
+        if self.pipeline is not None:
+            self.pipeline.close()
 
     def _update(self, batch: RolloutBatch, rewards: torch.Tensor, ref: torch.Tensor | None) -> dict[str, float]:
         raise NotImplementedError

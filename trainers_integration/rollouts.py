@@ -23,21 +23,24 @@ def shares_model(rollouts: Rollouts, model: torch.nn.Module) -> bool:
     return getattr(rollouts, "model", None) is model
 
 
-def push_weights(rollouts: Rollouts, model: torch.nn.Module, version: int) -> float:
-    """Bring the rollout side to the policy's current weights, tagged `version`; returns the seconds it took."""
+def push_weights(rollouts: Rollouts, model: torch.nn.Module, version: int, in_flight: str | None = None) -> float:
+    """Bring the rollout side to the policy's current weights, tagged `version`; returns the seconds it took.
+    `in_flight`: what happens to calls in flight (None: the rollout side's default)."""
     start = time.perf_counter()
+    extra = {} if in_flight is None else {"in_flight": in_flight}
     if shares_model(rollouts, model):
-        rollouts.refresh(version)
+        rollouts.refresh(version, **extra)
     else:
         state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
-        rollouts.update_weights(state, version=version)
+        rollouts.update_weights(state, version=version, **extra)
     return time.perf_counter() - start
 
 
 def timed_generate(rollouts: Rollouts, prompts, sampling, chat_template: bool = False,
                    episodes: EpisodeSpec | None = None) -> tuple[RolloutBatch, float]:
     start = time.perf_counter()
-    batch = rollouts.generate(prompts, sampling=sampling, chat_template=chat_template, **(episodes.kwargs() if episodes else {}))
+    batch = rollouts.generate(prompts, sampling=sampling, chat_template=chat_template,
+                              **(episodes.kwargs() if episodes else {}))
     return batch, time.perf_counter() - start
 
 
