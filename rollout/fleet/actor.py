@@ -14,6 +14,7 @@ monitoring and restoring a peer never wait behind a generate.
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import CancelledError
 import os
 import socket
 import warnings
@@ -66,6 +67,8 @@ class FleetActor:
                 dict(spec.kwargs(), env=_Reindexed(spec.env, indices or list(range(len(prompts)))))
             self._future = self.worker.submit(prompts, sampling=sampling, **episodes)
             batch = self._future.result()
+        except CancelledError:  # the fleet cancelled its call (`cancel`): nobody waits for these rows
+            return [[] for _ in prompts]
         finally:
             self.busy = False
         grouped: list[list] = [[] for _ in prompts]
