@@ -244,7 +244,7 @@ def test_logprob_gap_catches_a_weight_sync_that_silently_does_nothing(tiny_path,
     import trainers_integration.loop as loop
 
     model, tok = load_tiny_model(tiny_path)
-    monkeypatch.setattr(loop, "push_weights", lambda rollouts, model, version: 0.0)
+    monkeypatch.setattr(loop, "push_weights", lambda rollouts, model, version, in_flight=None: 0.0)
     with RolloutWorker(tiny_path, WorkerConfig()) as worker:
         trainer = GRPOTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), digit_reward(tok),
                               lambda step: ids(tok), worker, GRPOConfig(num_generations=4, max_new_tokens=8))
