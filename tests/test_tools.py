@@ -271,3 +271,31 @@ def test_bad_configuration_is_a_value_error_naming_the_fix(tok):
     plain.response_template = None
     with pytest.raises(ValueError, match="response_template.*add_response_schema"):
         ToolEnvironment(plain, tools=[add])
+
+
+def test_tool_episodes_run_inside_the_engine(tiny, tok):
+    """A real worker drives ToolEnvironment: its async step is awaited on the engine's loop, the chat's reward comes
+    back as the episode's reward, and each turn ends on the template's end-of-turn token."""
+    from rollout import RolloutWorker, SamplingParams, WorkerConfig
+
+    model, _ = tiny  # the chat tokenizer's ids fit the tiny model's 512-token vocabulary
+    end = tok.convert_tokens_to_ids("<|end|>")
+    prompt = render(tok, PROMPT, True)
+    seen = []
+
+    def reward(messages):
+        seen.append(messages)
+        return float(len(messages))
+
+    def make_env(prompt_index, sample_index):
+        return ToolEnvironment(tok, tools=[add], messages=PROMPT, reward_fn=reward, max_calls=2)
+
+    with RolloutWorker(model, WorkerConfig(), tokenizer=tok) as worker:
+        batch = worker.generate([prompt], SamplingParams(n=3, max_new_tokens=6, stop_token_ids=(end,), seed=0),
+                                env=make_env, max_turns=3)
+    assert len(batch) == 3 and set(batch.finish_reason) <= {"done", "max_turns"} and batch.errors == [""] * 3
+    done = [r for r in range(3) if batch.finish_reason[r] == "done"]
+    assert len(seen) == len(done) > 0  # a random model's turns hold no tool call: done after its first turn
+    for r in done:  # the chat the reward saw: the prompt, then one assistant message per turn and its tool results
+        assert batch.num_turns[r] == 1 and float(batch.rewards[r]) == len(PROMPT) + 1
+        assert int(batch.action_mask[r].sum()) == int(batch.completion_lengths[r]) <= 6
