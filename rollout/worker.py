@@ -5,8 +5,9 @@
     ...  # optimizer.step() on the same model
     worker.refresh()                           # shared model: fence, cache invalidation, version bump
     worker.update_weights(state_dict)          # own copy: atomic, validated, in-place copy
+    worker.sleep(); ...train...; worker.wake() # colocated with a trainer: the KV cache is freed while it trains
 
-One persistent engine per worker (started once). A shared model is used in place: generate leaves its training
+One persistent engine per worker (started once; rebuilt when it wakes from `sleep`). A shared model is used in place: generate leaves its training
 flag and attention implementation as it found them, and never touches its gradients or the global RNG.
 """
 
@@ -64,6 +65,10 @@ class RolloutWorker:
         return self.engine.version
 
     @property
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
+    @property
     def vocab_size(self) -> int:
         return int(self.model.get_output_embeddings().weight.shape[0])
 
@@ -81,7 +86,8 @@ class RolloutWorker:
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence[Any], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  chat_template: bool = False, timeout: float | None = None) -> RolloutBatch:
-        """Generate every sample of every prompt; rows come back prompt-major. Validates the whole call first."""
+        """Generate every sample of every prompt; rows come back prompt-major. Validates the whole call first.
+        A sleeping worker wakes first (its cache is re-allocated, as `wake()` does)."""
         groups = self._prepare(prompts, sampling, chat_template)
         call = Call([s for group in groups for s in group])
         if call.samples:
@@ -156,6 +162,18 @@ class RolloutWorker:
         with self.engine.exclusive(abort_in_flight=False, invalidate=False):
             return score(self.model, prompts, completions, temperature=temperature, tokenizer=self.tokenizer,
                          **kwargs)
+
+    # ------------------------------------------------------------------ colocation
+    def sleep(self) -> None:
+        """Free the KV cache and the engine's step buffers (and CUDA graphs) for a trainer sharing the device; the
+        model's weights stay where they are. Waits for in-flight generate calls from other threads first; calls made
+        meanwhile wait, then wake the worker. Weight updates and refreshes work while asleep."""
+        self.engine.sleep()
+
+    def wake(self) -> None:
+        """Re-allocate what `sleep` freed (a fraction budget is measured again); `generate` does it by itself."""
+        with self._generation_mode():  # the engine's buffers are sized for the engine's attention
+            self.engine.wake()
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

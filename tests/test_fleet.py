@@ -239,6 +239,19 @@ def test_broadcast_then_generate_uses_only_the_new_weights(fleet, local):
     assert_exact(local, batch, prompts, params)
 
 
+def test_sleep_frees_every_actor_and_generate_wakes_them_on_current_weights(fleet, local):
+    fleet.sleep()
+    assert [s["sleeping"] for s in _stats(fleet)] == [True, True]
+    prompts = [prompt_of(5 + i, 60 + i) for i in range(4)]
+    params = [SamplingParams(n=2, max_new_tokens=6)] * len(prompts)
+    batch = fleet.generate(prompts, params)
+    assert batch.policy_version.tolist() == [fleet.policy_version] * len(batch)
+    assert_exact(local, batch, prompts, params)
+    fleet.sleep()
+    fleet.wake()
+    assert [s["sleeping"] for s in _stats(fleet)] == [False, False]
+
+
 def test_score_splits_pairs_across_actors_in_input_order(fleet, local):
     pytest.importorskip("rollout.scoring")
     prompts = [prompt_of(4 + 3 * i, 40 + i) for i in range(6)]

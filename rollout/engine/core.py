@@ -6,7 +6,10 @@ The engine knows token ids and SamplingParams, nothing about tokenizers or train
 - tracks every accepted sample until it comes back exactly once: when the engine thread dies, the manager is rebuilt
   and unfinished samples re-run (up to `max_retries` times each);
 - fences weight changes: `exclusive()` stops new work, waits for (or aborts) what is in flight, pauses the loop and
-  forgets every prefix-cache hash, so no later token reads KV computed with other weights.
+  forgets every prefix-cache hash, so no later token reads KV computed with other weights;
+- sleeps: `sleep()` waits for what is in flight, then stops and drops the manager with its KV cache and step buffers
+  (the model's weights stay); `wake()`, or the next `run`, builds a fresh one (an empty prefix cache, so nothing
+  cached before the sleep is reused, whatever the weights did meanwhile).
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ class Engine:
         self._sampling_logprobs: dict[str, list[float]] = {}
         self._row_specs: dict[str, RowSpec] = {}
         self._updating = False
+        self._closed = False
         self._generator = torch.Generator(device=model.device).manual_seed(config.seed)
         self._manager = self._build_manager()
 
@@ -131,10 +135,45 @@ class Engine:
         return max(4, min(by_memory, self.config.max_cache_tokens // self.config.page_size))
 
     def is_alive(self) -> bool:
+        """The engine thread runs and has not failed (False while asleep: there is no thread)."""
+        if self._manager is None:
+            return False
         status = self._manager.background_thread_status
         return self._manager.is_running() and status.fatal_error is None
 
+    @property
+    def is_sleeping(self) -> bool:
+        return self._manager is None and not self._closed
+
+    def sleep(self) -> None:
+        """Wait for in-flight work, then stop the manager and drop it: its KV cache, step buffers and CUDA graphs are
+        freed (returned to the device with `empty_cache`); the model's weights stay. A no-op when asleep."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._updating)
+            self._updating = True
+        try:
+            self._drain(abort_in_flight=False)
+            with self._cond:
+                manager, self._manager = self._manager, None
+            if manager is not None:
+                manager.stop(block=True, timeout=30)  # joins the thread, drops the batch processor, empties caches
+        finally:
+            with self._cond:
+                self._updating = False
+                self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Build a fresh manager (cache and buffers re-allocated, sized again) if asleep; a no-op otherwise."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._updating)
+            self._wake_locked()
+
+    def _wake_locked(self) -> None:
+        if self._manager is None and not self._closed:
+            self._manager = self._build_manager()
+
     def close(self) -> None:
+        self._closed = True
         manager, self._manager = self._manager, None
         if manager is not None and manager._generation_thread is not None:
             manager.stop(block=True, timeout=30)
@@ -200,6 +239,7 @@ class Engine:
         """Submit every sample of a call, wait until each has a row, re-running what an engine death lost."""
         with self._cond:
             self._cond.wait_for(lambda: not self._updating)
+            self._wake_locked()  # a sleeping engine wakes for work
             for group in samples_by_prompt:
                 self._submit(group)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -237,6 +277,8 @@ class Engine:
     def _heal(self) -> None:
         """If the engine died or requests failed, rebuild it and re-run the lost samples, each on its own."""
         with self._cond:
+            if self._manager is None:  # asleep or closed: nothing in flight
+                return
             dead = not self.is_alive()
             if not dead and not self._rerun:
                 return
@@ -275,10 +317,11 @@ class Engine:
         try:
             aborted = self._drain(abort_in_flight)
             with self._cond:
-                if not self.is_alive():
+                if self._manager is not None and not self.is_alive():
                     self._restart()
-            with self._manager.pause():
-                if invalidate:
+            # asleep: no loop to pause and no cached KV to forget (waking builds an empty cache)
+            with self._manager.pause() if self._manager is not None else contextlib.nullcontext():
+                if invalidate and self._manager is not None:
                     self.forget_prefix_cache()
                 yield
         finally:

@@ -50,7 +50,7 @@ class FleetActor:
     def info(self) -> dict:
         return dict(pid=os.getpid(), host=socket.gethostname(), device=str(self.worker.model.device),
                     version=self.worker.policy_version, max_request_tokens=self.worker.engine.max_request_tokens,
-                    busy=self.busy, num_calls=self.num_calls, num_rows=self.num_rows,
+                    busy=self.busy, sleeping=self.worker.is_sleeping, num_calls=self.num_calls, num_rows=self.num_rows,
                     torch_threads=torch.get_num_threads())
 
     # ------------------------------------------------------------------ work
@@ -75,6 +75,14 @@ class FleetActor:
         finally:
             self.busy = False
             self.num_calls += 1
+
+    def sleep(self) -> bool:
+        self.worker.sleep()
+        return True
+
+    def wake(self) -> bool:
+        self.worker.wake()
+        return True
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, weights: dict, version: int, full: bool = False) -> int:

@@ -154,6 +154,19 @@ class RolloutFleet:
             self._settle()
             return new_version
 
+    def sleep(self) -> None:
+        """Every actor frees its KV cache and step buffers (after its in-flight work), as RolloutWorker.sleep; weights
+        stay. A later generate wakes each actor it uses; an actor replaced meanwhile starts awake."""
+        with self._lock:
+            self._await_starts()
+            self._on_ready(lambda actor: actor.sleep.remote())
+
+    def wake(self) -> None:
+        """Every actor re-allocates what sleep freed (RolloutWorker.wake)."""
+        with self._lock:
+            self._await_starts()
+            self._on_ready(lambda actor: actor.wake.remote())
+
     def init_weight_group(self, backend: str | None = None, timeout_s: float = 300) -> None:
         """Open a torch.distributed group (this process rank 0, actors 1..N) that later update_weights use."""
         backend = backend or ("nccl" if self.resources.num_gpus > 0 else "gloo")
