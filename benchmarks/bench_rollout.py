@@ -256,7 +256,7 @@ def parse_args():
     parser.add_argument("--workers", default="auto",
                         help="attention implementations of the worker rows, e.g. auto,sdpa; the first is 'worker'")
     parser.add_argument("--page-size", type=int, default=WorkerConfig.page_size)
-    parser.add_argument("--max-batch-tokens", type=int, default=WorkerConfig.max_batch_tokens)
+    parser.add_argument("--max-batch-tokens", type=int, default=None, help="default: WorkerConfig's for the device")
     parser.add_argument("--num-blocks", type=int, default=1024, help="KV blocks for every engine (pages)")
     parser.add_argument("--gap-rows", type=int, default=8, help="rows of the last step checked against a forward")
     parser.add_argument("--skip", default="", help="comma-separated methods to skip: generate_batch,generate")
@@ -265,6 +265,8 @@ def parse_args():
     args = parser.parse_args()
     if args.quick:
         args.prompts, args.n, args.gen_max, args.rounds = 4, 4, min(args.gen_max, 48), 1
+    if args.max_batch_tokens is None:
+        args.max_batch_tokens = WorkerConfig().for_device(torch.device(args.device)).max_batch_tokens
     return args
 
 

@@ -53,9 +53,11 @@ class RolloutWorker:
         self._lock = threading.RLock()
         self._active_calls = 0
         self._was_training = self.model.training
-        self.engine = Engine(self.model, self.config)
-        self._engine_attn = current_attn_implementation(self.model)
-        self._set_attn(self._user_attn)
+        try:  # a config the model cannot run with fails here: the owner's attention comes back all the same
+            self.engine = Engine(self.model, self.config)
+            self._engine_attn = current_attn_implementation(self.model)
+        finally:
+            self._set_attn(self._user_attn)
         self._fingerprint_cache: tuple[int, str] | None = None
         _LIVE_WORKERS.add(self)
 

@@ -26,12 +26,12 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 from transformers.generation.continuous_batching.model_runner import infer_max_single_request_tokens
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestState, RequestStatus
-from transformers.generation.continuous_batching.utils import attn_mask_is_needed
 
 from ..batch import Row
 from ..config import WorkerConfig
 from ..params import SamplingParams
 from . import memory  # noqa: F401  (patches upstream's memory plan for rollout_paged)
+from . import sizing
 from .manager import RolloutManager
 from .router import RolloutRouter
 from .runner import RolloutModelRunner
@@ -78,7 +78,7 @@ SEED_STRIDE = 1_000_003
 class Engine:
     def __init__(self, model, config: WorkerConfig, version: int = 0) -> None:
         self.model = model
-        self.config = config
+        self.config = config.for_device(model.device)  # every size resolved (the device's defaults)
         self.version = version
         self.num_restarts = 0
         self.num_aborted = 0  # samples aborted by weight updates and re-run
@@ -96,8 +96,9 @@ class Engine:
     # ------------------------------------------------------------------ lifecycle
     def _build_manager(self) -> ContinuousBatchingManager:
         gen_config = GenerationConfig(do_sample=False, max_new_tokens=None, eos_token_id=None)
+        blocks = sizing.num_blocks(self.config, self.model)
         cb_config = ContinuousBatchingConfig(
-            page_size=self.config.page_size, num_blocks=self._num_blocks(),
+            page_size=self.config.page_size, num_blocks=blocks,
             max_batch_tokens=self.config.max_batch_tokens, max_requests_per_batch=self.config.max_requests_per_batch,
             allow_block_sharing=self.config.prefix_caching, use_async_batching=False, use_cuda_graph=False,
             scheduler_type=SCHEDULER_NAME, return_logprobs=True, auto_switch_to_flash=False,
@@ -110,6 +111,8 @@ class Engine:
                                  self._generator)
         self.max_request_tokens = infer_max_single_request_tokens(manager.batch_processor.cache)
         self.model.train(was_training)
+        sizing.check_request_fits(self.config, self.model, manager.batch_processor.cache.num_blocks,
+                                  self.max_request_tokens)  # before the thread starts: nothing to stop
         self._start(manager)
         return manager
 
@@ -121,18 +124,6 @@ class Engine:
         manager._generation_thread = threading.Thread(target=manager._run_generation_loop, daemon=True,
                                                       name="rollout-engine")
         manager._generation_thread.start()
-
-    def _num_blocks(self) -> int:
-        if self.config.num_blocks is not None:
-            return self.config.num_blocks
-        text = self.model.config.get_text_config()
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        bytes_per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * self.model.dtype.itemsize
-        by_memory = self.config.kv_cache_memory_mb * 2**20 // (bytes_per_token * self.config.page_size)
-        if not attn_mask_is_needed(self.model.config):  # no dense mask to bound: the memory budget alone sizes it
-            return max(4, by_memory)
-        return max(4, min(by_memory, self.config.max_cache_tokens // self.config.page_size))
 
     def is_alive(self) -> bool:
         """The engine thread runs and has not failed (False while asleep: there is no thread)."""
