@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from .errors import check_int, invalid
 
 IN_FLIGHT_POLICIES = ("wait", "abort")
+CUDA_GRAPH_POLICIES = ("auto", "off")
 
 
 @dataclass(frozen=True)
@@ -54,9 +55,11 @@ class WorkerConfig:
         them and re-run them on the new weights.
     seed: seed of the worker's own sampling generator (the global torch RNG is never touched).
     max_retries: times a request is re-run after the engine died under it before the call fails.
-    attn_implementation: attention used by the engine: "auto" (default: "rollout_paged" on CPU, the model's own
-        elsewhere), "rollout_paged" (rollout/attention.py: no dense mask, batched decode), "sdpa", "paged|eager", a
+    attn_implementation: attention used by the engine: "auto" (default: "rollout_paged" on CPU; on CUDA the model's
+        own if it is flash, else flash_attention_2 when flash_attn imports, else "rollout_paged"), "rollout_paged" (rollout/attention.py: no dense mask, batched decode), "sdpa", "paged|eager", a
         flash implementation, or None to keep the model's. The owner's attention is restored between calls.
+    cuda_graphs: "auto" (default) captures the engine's steps in CUDA graphs and overlaps host and device work (async
+        batching) on CUDA when the attention allows it (a flash implementation); "off" never does. Off on CPU.
     """
 
     page_size: int = 16
@@ -72,6 +75,7 @@ class WorkerConfig:
     seed: int = 0
     max_retries: int = 2
     attn_implementation: str | None = "auto"
+    cuda_graphs: str = "auto"
 
     def __post_init__(self) -> None:
         check_int("page_size", self.page_size, 4, "use a page size of at least 4 tokens (16 is a good CPU default)")
@@ -98,6 +102,9 @@ class WorkerConfig:
                           "use 'auto', 'rollout_paged', 'sdpa', a flash implementation, or None")
         if not isinstance(self.prefix_caching, bool):
             raise invalid("prefix_caching", self.prefix_caching, "must be a bool", "use True or False")
+        if self.cuda_graphs not in CUDA_GRAPH_POLICIES:
+            raise invalid("cuda_graphs", self.cuda_graphs, f"must be one of {CUDA_GRAPH_POLICIES}",
+                          "use 'auto' (on CUDA when the attention allows it) or 'off'")
 
     def _check_kv_budget(self) -> None:
         if self.kv_cache_memory_mb is not None:

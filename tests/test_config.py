@@ -58,6 +58,7 @@ def test_sampling_params_from_a_record_rejects_unknown_fields():
     ({"kv_cache_memory_fraction": 0.5, "kv_cache_memory_mb": 100},
      r"kv_cache_memory_fraction=0.5 is invalid: is exclusive with kv_cache_memory_mb \(set to 100\). Fix: set one"),
     ({"max_request_tokens": 0}, "max_request_tokens=0 is invalid"),
+    ({"cuda_graphs": "on"}, "cuda_graphs='on' is invalid: must be one of"),
 ])
 def test_bad_worker_config_values_are_value_errors_naming_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):

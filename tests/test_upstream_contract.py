@@ -8,7 +8,9 @@ import inspect
 import transformers
 from transformers.generation.continuous_batching.cache_allocators.cache_allocator import BlockLedger
 from transformers.generation.continuous_batching.cache_allocators.full_attention import FullAttentionCacheAllocator
-from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager, OutputRouter
+from transformers.generation.continuous_batching.continuous_api import (ContinuousBatchingManager,
+                                                                         ContinuousBatchProcessor, OutputRouter)
+from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs, HostDeviceIOPair
 from transformers.generation.continuous_batching.model_runner import ModelRunner
 from transformers.generation.continuous_batching.requests import RequestState, RequestStatus
 from transformers.generation.continuous_batching.scheduler import FIFOScheduler
@@ -64,3 +66,26 @@ def test_upstream_still_schedules_a_zero_token_fork_and_ours_does_not():
     assert list(ours.waiting_requests) == ["p__child#0", "p__child#1"]
     assert all(c.initial_tokens == [5] and c.num_children == 0 for c in ours.waiting_requests.values())
     assert state.status == RequestStatus.DECODING
+
+
+def test_the_step_inputs_and_outputs_keep_the_layout_the_sampler_hooks_rely_on():
+    # runner.RowSlotArgs: one line of the bulk input tensor per `tensors_required`, filled by prepare_tensor_args and
+    # handed to the forward as logits_processor_args
+    setup = inspect.getsource(ContinuousBatchingIOs._setup_static_tensors)
+    assert "bulk_lines = self.static_inputs + logit_processor.tensors_required" in setup
+    assert "logit_processor.fill_defaults(self.logits_processors_defaults)" in setup
+    prepare = inspect.getsource(ContinuousBatchingIOs.prepare_batch_tensors)
+    assert "arg_storage=self._bulk_input_tensor[self.static_inputs :]," in prepare
+    assert "logits_processor_args=self._bulk_input_tensor[self.static_inputs :, :num_sequences]" in inspect.getsource(
+        ContinuousBatchingIOs.get_model_kwargs)
+    # runner.RolloutIOs: outputs are read back once per step through prepare_batch_update, which returns
+    # (requests, tokens, logprobs); async batching copies the whole output tensor to the host and drops the tokens of
+    # requests finished or preempted after scheduling
+    assert list(inspect.signature(ContinuousBatchingIOs.prepare_batch_update).parameters) == ["self"]
+    update = inspect.getsource(ContinuousBatchProcessor.update_batch)
+    assert "requests_in_batch, new_tokens, logprobs = self.inputs_and_outputs.prepare_batch_update()" in update
+    assert "if state.status in (RequestStatus.FINISHED, RequestStatus.PENDING):" in update
+    assert "self.host_io.output_ids.copy_(self.device_io.output_ids, non_blocking=True)" in inspect.getsource(
+        HostDeviceIOPair.transfer_outputs_d2h)
+    assert "self.logit_processor = ContinuousBatchingLogitsProcessorList(" in inspect.getsource(
+        ContinuousBatchingManager.__init__)

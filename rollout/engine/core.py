@@ -20,7 +20,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import torch
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
@@ -31,11 +30,13 @@ from ..batch import Row
 from ..config import WorkerConfig
 from ..params import SamplingParams
 from . import memory  # noqa: F401  (patches upstream's memory plan for rollout_paged)
-from . import sizing
+from . import cuda, sizing
 from .manager import RolloutManager
 from .router import RolloutRouter
-from .runner import RolloutModelRunner
+from .runner import RolloutIOs, RolloutModelRunner, RowSlotArgs
 from .sampler import RowSpec
+from .slots import SlotTable
+from .streams import stream_key
 from .scheduler import CHILD_SEPARATOR, SCHEDULER_NAME
 
 
@@ -61,6 +62,7 @@ class Call:
 
     samples: list[Sample] = field(default_factory=list)
     failure: str | None = None
+    index: int | None = None  # the call's order on its engine: keys the random streams of its unseeded samples
 
     def __post_init__(self) -> None:
         for sample in self.samples:
@@ -70,9 +72,11 @@ class Call:
         return all(s.row is not None for s in self.samples) or self.failure is not None
 
 
-# A seeded sample's generator is seeded with seed * SEED_STRIDE + sample index: a prime larger than any n, so the
-# samples of one seed never collide with those of another (seed s, sample i != seed s', sample i').
-SEED_STRIDE = 1_000_003
+# The first word of a random stream's key (streams.py): seeded and unseeded samples never share a stream.
+SEEDED, UNSEEDED = 1, 2
+
+
+SLOTS_PER_BATCH_ROW = 4  # the slot table's first capacity, per row of a step (it grows when every slot is live)
 
 
 class Engine:
@@ -90,25 +94,29 @@ class Engine:
         self._row_specs: dict[str, RowSpec] = {}
         self._updating = False
         self._closed = False
-        self._generator = torch.Generator(device=model.device).manual_seed(config.seed)
+        self._calls = itertools.count()
         self._manager = self._build_manager()
 
     # ------------------------------------------------------------------ lifecycle
     def _build_manager(self) -> ContinuousBatchingManager:
         gen_config = GenerationConfig(do_sample=False, max_new_tokens=None, eos_token_id=None)
         blocks = sizing.num_blocks(self.config, self.model)
+        graphs = cuda.captures(self.model, self.config)
         cb_config = ContinuousBatchingConfig(
             page_size=self.config.page_size, num_blocks=blocks,
             max_batch_tokens=self.config.max_batch_tokens, max_requests_per_batch=self.config.max_requests_per_batch,
-            allow_block_sharing=self.config.prefix_caching, use_async_batching=False, use_cuda_graph=False,
+            allow_block_sharing=self.config.prefix_caching, use_async_batching=graphs, use_cuda_graph=graphs,
             scheduler_type=SCHEDULER_NAME, return_logprobs=True, auto_switch_to_flash=False,
-            max_blocks_per_request=0)
+            max_blocks_per_request=cuda.decode_fast_path_blocks(self.model, self.config, blocks))
+        table = SlotTable(self.model.device, SLOTS_PER_BATCH_ROW * self.config.max_requests_per_batch, self._row_spec,
+                          lambda request_id: request_id in self._pending)
         was_training = self.model.training
-        manager = RolloutManager(self.model, gen_config, cb_config)  # also accepts rollout_paged
+        manager = RolloutManager(self.model, gen_config, cb_config, RowSlotArgs(table, all_passes=graphs))
         manager.output_router = RolloutRouter(self._on_output)
         manager.batch_processor = manager._create_batch_processor()
-        RolloutModelRunner.adopt(manager.batch_processor.model_runner, self._row_spec, self._record,
-                                 self._generator)
+        RolloutModelRunner.adopt(manager.batch_processor.model_runner)
+        RolloutIOs.adopt(manager.batch_processor.inputs_and_outputs, self._record)
+        table.stream = manager.batch_processor.inputs_and_outputs.compute_stream
         self.max_request_tokens = infer_max_single_request_tokens(manager.batch_processor.cache)
         self.model.train(was_training)
         sizing.check_request_fits(self.config, self.model, manager.batch_processor.cache.num_blocks,
@@ -193,11 +201,13 @@ class Engine:
         return sampler
 
     def _make_row_spec(self, sample: Sample) -> RowSpec:
+        """A seeded sample's stream is keyed on (seed, sample index), an unseeded one's on (worker seed, call order,
+        prompt index, sample index): the tokens depend on nothing else (batch, timing, preemption, restarts)."""
         seed = sample.params.seed
-        if seed is None:
-            return RowSpec(sample.params)
-        gen = torch.Generator(device=self.model.device).manual_seed(seed * SEED_STRIDE + sample.sample_index)
-        return RowSpec(sample.params, gen)
+        if seed is not None:
+            return RowSpec(sample.params, stream_key(SEEDED, seed, sample.sample_index))
+        return RowSpec(sample.params, stream_key(UNSEEDED, self.config.seed, sample.call.index, sample.prompt_index,
+                                                 sample.sample_index))
 
     def _record(self, request_ids: list[str], values: list[float]) -> None:
         for request_id, value in zip(request_ids, values):
@@ -231,6 +241,8 @@ class Engine:
         with self._cond:
             self._cond.wait_for(lambda: not self._updating)
             self._wake_locked()  # a sleeping engine wakes for work
+            if call.index is None:
+                call.index = next(self._calls)
             for group in samples_by_prompt:
                 self._submit(group)
         deadline = None if timeout is None else time.monotonic() + timeout
