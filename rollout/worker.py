@@ -59,6 +59,7 @@ class RolloutWorker:
         finally:
             self._set_attn(self._user_attn)
         self._fingerprint_cache: tuple[int, str] | None = None
+        self._half_updated: str | None = None  # why a bucketed update stopped midway (see update_weights_by_bucket)
         _LIVE_WORKERS.add(self)
 
     # ------------------------------------------------------------------ properties
@@ -90,6 +91,9 @@ class RolloutWorker:
                  chat_template: bool = False, timeout: float | None = None) -> RolloutBatch:
         """Generate every sample of every prompt; rows come back prompt-major. Validates the whole call first.
         A sleeping worker wakes first (its cache is re-allocated, as `wake()` does)."""
+        if self._half_updated is not None:
+            raise RuntimeError(f"the weights are half-updated: {self._half_updated}. Fix: send the whole state dict "
+                               "with update_weights(..., full=True) before generating.")
         groups = self._prepare(prompts, sampling, chat_template)
         call = Call([s for group in groups for s in group])
         if call.samples:
@@ -145,6 +149,27 @@ class RolloutWorker:
         plan = weights_mod.plan_update(self.model, weights, full=full)
         with self.engine.exclusive(abort_in_flight=self.config.in_flight == "abort"):
             weights_mod.apply_update(plan)
+            if full:
+                self._half_updated = None
+            return self._bump(version)
+
+    def update_weights_by_bucket(self, buckets: Iterable, version: int | None = None, full: bool = False) -> int:
+        """update_weights for a sender that validated the whole update already (RolloutFleet does): each bucket (a
+        dict or (name, tensor) pairs) is validated and copied in as it arrives, so one bucket is staged, not all of
+        them (update_weights holds an extra copy of the weights). Rollouts never see a half-updated model (one fence
+        for all buckets), but a bucket that fails, or a stream that breaks, leaves the earlier ones applied: the
+        worker then refuses to generate until a full update succeeds."""
+        _check_version(version)
+        with self.engine.exclusive(abort_in_flight=self.config.in_flight == "abort"):
+            try:
+                seen = weights_mod.apply_by_bucket(self.model, buckets)
+                if full:
+                    weights_mod.check_complete(self.model, seen)
+            except BaseException as exc:
+                self._half_updated = f"a bucketed update stopped midway ({type(exc).__name__}: {exc})"
+                raise
+            if full:
+                self._half_updated = None
             return self._bump(version)
 
     def _bump(self, version: int | None) -> int:

@@ -28,7 +28,7 @@ def _signed(x: int) -> int:
 
 
 def mix64(x: int) -> int:
-    """splitmix64's finaliser on a 64-bit int (the integer reference of `_mix`)."""
+    """splitmix64's finaliser on a 64-bit int (the integer reference of `mix`)."""
     x = ((x ^ (x >> 30)) * MIX1) & MASK64
     x = ((x ^ (x >> 27)) * MIX2) & MASK64
     return x ^ (x >> 31)
@@ -53,13 +53,21 @@ def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
+def mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors (elementwise; a bijection of 64-bit patterns)."""
     x = (x ^ _shr(x, 30)) * _signed(MIX1)
     x = (x ^ _shr(x, 27)) * _signed(MIX2)
     return x ^ _shr(x, 31)
 
 
+def spread(words: torch.Tensor, first_counter: int) -> torch.Tensor:
+    """mix(word + counter x golden) for counters first_counter, first_counter + 1, ...: each word mixed with its
+    place. int64 [N] -> int64 [N]."""
+    counters = torch.arange(first_counter, first_counter + words.numel(), dtype=torch.int64, device=words.device)
+    return mix(words + counters * _signed(GOLDEN))
+
+
 def uniforms(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     """keys, counters: int64 [N] (counters >= 0) -> float64 [N] in [0, 1), one per row."""
-    bits = _mix(keys + (counters + 1) * _signed(GOLDEN))
+    bits = mix(keys + (counters + 1) * _signed(GOLDEN))
     return _shr(bits, 11).double() * 2.0**-53

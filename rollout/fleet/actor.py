@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import os
 import socket
+import traceback
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -46,11 +47,13 @@ class FleetActor:
         self.busy = False
         self.num_calls = 0
         self.num_rows = 0
+        self.num_fingerprints = 0
 
     def info(self) -> dict:
         return dict(pid=os.getpid(), host=socket.gethostname(), device=str(self.worker.model.device),
                     version=self.worker.policy_version, max_request_tokens=self.worker.engine.max_request_tokens,
                     busy=self.busy, sleeping=self.worker.is_sleeping, num_calls=self.num_calls, num_rows=self.num_rows,
+                    num_fingerprints=self.num_fingerprints,
                     torch_threads=torch.get_num_threads())
 
     # ------------------------------------------------------------------ work
@@ -97,7 +100,11 @@ class FleetActor:
             self.worker.refresh(version)
         return self.state()
 
-    def state(self) -> tuple[int, str]:
+    def state(self, verify: bool = True) -> tuple[int, str | None]:
+        """(version, fingerprint); the fingerprint is None unless `verify`."""
+        if not verify:
+            return self.worker.policy_version, None
+        self.num_fingerprints += 1
         return self.worker.policy_version, self.worker.weights_fingerprint()
 
     def state_dict(self) -> dict:
@@ -109,9 +116,16 @@ class FleetActor:
         return rank
 
     def receive_weights(self, buckets: list[Bucket], version: int, full: bool = False) -> int:
+        """Apply a broadcast bucket by bucket (one bucket staged; the fleet validated the update before sending). If
+        it stops midway (a sender or peer died, the group timed out), this actor holds half-updated weights: it exits,
+        and the fleet replaces it as it replaces any dead actor."""
         if self.group is None:
             raise RuntimeError("receive_weights before join_group: this actor is in no weight group")
-        return self.worker.update_weights(self.group.receive(buckets), version=version, full=full)
+        try:
+            return self.worker.update_weights_by_bucket(self.group.stream(buckets), version=version, full=full)
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
 
     def close(self) -> None:
         self.group = None

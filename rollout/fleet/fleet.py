@@ -14,8 +14,9 @@ Contract:
   before it takes work. A call that passes `timeout` raises TimeoutError naming the actors still holding work, and
   those actors are replaced.
 - update_weights puts the tensors in the object store once (or broadcasts them over a torch.distributed group, see
-  init_weight_group); every actor applies them atomically under its fence; versions and fingerprints are compared
-  before it returns. Calls are serialised, so no row returned after update_weights comes from older weights.
+  init_weight_group); every actor applies them atomically under its fence; versions are compared before it returns,
+  and fingerprints too (every update, or every `verify_every`-th: each costs every actor a checksum of its weights on
+  its device, rollout.weights.fingerprint). Calls are serialised, so no row returned after update_weights comes from older weights.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from ..batch import RolloutBatch
 from .collective import WeightGroup, free_port, layout
 from ..config import WorkerConfig
 from .dispatch import Dispatcher
-from ..errors import invalid
+from ..errors import check_int, invalid
 from ..prompts import prepare_call
 from .resources import FleetResources
 from ..weights import plan_update
@@ -53,9 +54,12 @@ _Actor = ray.remote(concurrency_groups={"control": 2})(FleetActor)
 class RolloutFleet:
     def __init__(self, model: Any, num_workers: int = 2, config: WorkerConfig | None = None,
                  resources: FleetResources | dict | None = None, tokenizer: Any = None, chunks_per_worker: int = 1,
-                 startup_timeout_s: float = 600, ray_init: dict | None = None) -> None:
+                 startup_timeout_s: float = 600, ray_init: dict | None = None, verify_every: int = 1) -> None:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise invalid("num_workers", num_workers, "must be an integer >= 1", "use e.g. one per GPU")
+        check_int("verify_every", verify_every, 1,
+                  "use 1 to compare the actors' fingerprints after every update, k for every k-th")
+        self.verify_every, self._num_updates = verify_every, 0
         self.config = config if config is not None else WorkerConfig()
         if isinstance(chunks_per_worker, bool) or not isinstance(chunks_per_worker, int) or chunks_per_worker < 1:
             raise invalid("chunks_per_worker", chunks_per_worker, "must be an integer >= 1",
@@ -151,7 +155,8 @@ class RolloutFleet:
             elif self._log is not None:
                 self._log.append(ref)
             self._fingerprint = None
-            self._settle()
+            self._num_updates += 1
+            self._settle(verify=self._num_updates % self.verify_every == 0)
             return new_version
 
     def sleep(self) -> None:
@@ -309,10 +314,11 @@ class RolloutFleet:
                     self._down.add(slot)
             return False
 
-    def _settle(self) -> None:
-        """Ready actors must report one (version, fingerprint), at the fleet's version; then the dead are replaced
-        (checked against it) and waited for."""
-        states, _ = self._on_ready(lambda actor: actor.state.options(concurrency_group="control").remote())
+    def _settle(self, verify: bool = True) -> None:
+        """Ready actors must report one (version, fingerprint), at the fleet's version (the fingerprint only when
+        `verify`: unverified, it stays unknown until the next verified settle); then the dead are replaced (checked
+        against it when known) and waited for."""
+        states, _ = self._on_ready(lambda actor: actor.state.options(concurrency_group="control").remote(verify))
         distinct = set(states.values())
         if len(distinct) > 1 or any(version != self.version for version, _ in distinct):
             raise RuntimeError(f"actors disagree (fleet version {self.version}): {states}. Fix: call "
