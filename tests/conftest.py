@@ -31,9 +31,9 @@ def reference_logprobs(model, prompt: list[int], completion: list[int], temperat
     Returns (full-vocabulary logprobs of log_softmax(logits / T), logprobs under the top-k / top-p truncated and
     renormalised distribution), one per completion token. Greedy (T == 0) uses T = 1 and truncated logprob 0.
     """
-    ids = torch.tensor([prompt + completion])
+    ids = torch.tensor([prompt + completion], device=model.device)
     with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float().cpu()
     target = torch.tensor(completion)[:, None]
     temp = 1.0 if temperature == 0 else temperature
     full = torch.log_softmax(logits / temp, dim=-1)

@@ -14,24 +14,25 @@ from rollout.engine import cuda
 from rollout.engine.attention import NAME, resolve_attn_implementation
 
 
-def stand_in(device: str, attn: str, max_positions: int | None = 4096):
+def stand_in(device: str, attn: str, max_positions: int | None = 4096, dtype=torch.bfloat16):
     config = SimpleNamespace(_attn_implementation=attn, max_position_embeddings=max_positions)
     config.get_text_config = lambda: config
-    return SimpleNamespace(device=torch.device(device), config=config)
+    return SimpleNamespace(device=torch.device(device), config=config, dtype=dtype)
 
 
-@pytest.mark.parametrize("device, attn, flash_imports, expected", [
-    ("cpu", "sdpa", True, NAME),
-    ("cuda", "sdpa", True, "flash_attention_2"),
-    ("cuda", "sdpa", False, NAME),  # PyTorch's own kernels, no dense mask
-    ("cuda", "flash_attention_3", False, "flash_attention_3"),  # the model's own flash stays
-    ("mps", "sdpa", True, None),  # elsewhere: the model's own
+@pytest.mark.parametrize("device, attn, dtype, flash_imports, expected", [
+    ("cpu", "sdpa", torch.bfloat16, True, NAME),
+    ("cuda", "sdpa", torch.bfloat16, True, "flash_attention_2"),
+    ("cuda", "sdpa", torch.float32, True, NAME),  # flash has no fp32 kernels
+    ("cuda", "sdpa", torch.bfloat16, False, NAME),  # PyTorch's own kernels, no dense mask
+    ("cuda", "flash_attention_3", torch.bfloat16, False, "flash_attention_3"),  # the model's own flash stays
+    ("mps", "sdpa", torch.bfloat16, True, None),  # elsewhere: the model's own
 ])
-def test_auto_attention_is_mask_free_and_flash_on_cuda_when_it_imports(monkeypatch, device, attn, flash_imports,
-                                                                         expected):
+def test_auto_attention_is_mask_free_and_flash_on_cuda_when_it_can_run(monkeypatch, device, attn, dtype,
+                                                                         flash_imports, expected):
     monkeypatch.setattr(cuda, "flash_attn_imports", lambda: flash_imports)
-    assert resolve_attn_implementation("auto", stand_in(device, attn)) == expected
-    assert resolve_attn_implementation("sdpa", stand_in(device, attn)) == "sdpa"
+    assert resolve_attn_implementation("auto", stand_in(device, attn, dtype=dtype)) == expected
+    assert resolve_attn_implementation("sdpa", stand_in(device, attn, dtype=dtype)) == "sdpa"
 
 
 def test_flash_attn_is_used_only_when_it_really_imports():

@@ -15,11 +15,13 @@ The engine knows token ids and SamplingParams, nothing about tokenizers or train
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
@@ -77,6 +79,14 @@ SEEDED, UNSEEDED = 1, 2
 
 
 SLOTS_PER_BATCH_ROW = 4  # the slot table's first capacity, per row of a step (it grows when every slot is live)
+
+
+def release_memory() -> None:
+    """Free what a dropped manager held, now: its objects refer to each other (the runner, its slot table, the
+    manager's arguments), so only the cycle collector frees them; then hand cached device blocks back to the driver."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 class Engine:
@@ -155,7 +165,9 @@ class Engine:
             with self._cond:
                 manager, self._manager = self._manager, None
             if manager is not None:
-                manager.stop(block=True, timeout=30)  # joins the thread, drops the batch processor, empties caches
+                manager.stop(block=True, timeout=30)  # joins the thread, drops the batch processor
+                del manager
+                release_memory()
         finally:
             with self._cond:
                 self._updating = False

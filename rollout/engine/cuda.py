@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 
+import torch
 from transformers.utils import is_flash_attn_2_available
 from transformers.utils.generic import is_flash_attention_requested
 
@@ -30,11 +31,14 @@ def flash_attn_imports() -> bool:
 
 def auto_attention(model, mask_free: str) -> str:
     """The engine's attention under "auto" on CUDA: the model's own if it is a flash implementation, else
-    flash_attention_2 when flash_attn imports, else `mask_free` (rollout_paged: PyTorch's own SDPA kernels per
-    bucket of rows, no dense [batch tokens x cache tokens] mask)."""
+    flash_attention_2 when flash_attn imports and the model is fp16 / bf16 (flash has no fp32 kernels), else
+    `mask_free` (rollout_paged: PyTorch's own SDPA kernels per bucket of rows, no dense [batch tokens x cache tokens]
+    mask)."""
     if is_flash_attention_requested(model.config):
         return model.config._attn_implementation
-    return FLASH if flash_attn_imports() else mask_free
+    if model.dtype in (torch.float16, torch.bfloat16) and flash_attn_imports():
+        return FLASH
+    return mask_free
 
 
 def captures(model, config) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 
-import psutil
 import torch
 from transformers.generation.continuous_batching.utils import attn_mask_is_needed
 
@@ -27,6 +26,8 @@ def free_memory(device: torch.device) -> int:
     """Bytes free on the device now: the CUDA driver's free memory, or the host's MemAvailable."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
+    import psutil  # only here: a GPU machine's Python may lack it
+
     return psutil.virtual_memory().available
 
 
