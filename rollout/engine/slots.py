@@ -47,6 +47,7 @@ class SlotTable:
         self._slot_of: dict[str, int] = {}
         self._passes = [NONE] * capacity
         self._free = list(range(capacity - 1, 0, -1))
+        self._retired: list[torch.Tensor] = []
 
     @property
     def capacity(self) -> int:
@@ -90,6 +91,7 @@ class SlotTable:
 
     def _grow(self) -> None:
         old = self.capacity
+        self._retired.append(self.table)  # a step still running on another stream may read it: never freed early
         with self._on_stream():
             self.table = torch.cat([self.table, self.table[:1].expand(old, 4)])
         self._passes += [NONE] * old
