@@ -7,8 +7,9 @@
     worker.update_weights(state_dict)          # own copy: atomic, validated, in-place copy
     worker.sleep(); ...train...; worker.wake() # colocated with a trainer: the KV cache is freed while it trains
 
-One persistent engine per worker (started once; rebuilt when it wakes from `sleep`). A shared model is used in place: generate leaves its training
-flag and attention implementation as it found them, and never touches its gradients or the global RNG.
+One persistent engine per worker (started once; rebuilt when it wakes from `sleep`). A shared model is used in
+place: generate leaves its training flag and attention implementation as it found them, and never touches its
+gradients or the global RNG.
 """
 
 from __future__ import annotations

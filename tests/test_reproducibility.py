@@ -9,7 +9,6 @@ import torch
 from transformers.generation.continuous_batching.requests import RequestState
 
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
-from rollout.engine.runner import RolloutModelRunner
 
 ROOMY = WorkerConfig(num_blocks=256)
 # 24 pages of 4 tokens for 6-10 rows of 20-30 tokens: requests are preempted mid-decode and re-prefilled
@@ -39,26 +38,6 @@ def soft_resets(monkeypatch) -> list[int]:
     return resets
 
 
-@pytest.fixture()
-def inject_engine_fault(monkeypatch):
-    """Call it to make the 4th step of every engine from then on die (mid-call); the worker rebuilds its engine and
-    re-runs what was in flight."""
-
-    def inject() -> None:
-        original = RolloutModelRunner._forward_process_and_sample
-        steps = {"n": 0}
-
-        def flaky(self, *args):
-            steps["n"] += 1
-            if steps["n"] == 4:
-                raise RuntimeError("injected engine fault")
-            return original(self, *args)
-
-        monkeypatch.setattr(RolloutModelRunner, "_forward_process_and_sample", flaky)
-
-    return inject
-
-
 def rollouts(model, config: WorkerConfig, calls: list[tuple[list, list]]) -> tuple[list[list[list[int]]], int]:
     """Token lists of each call, on a fresh worker; and how many times its engine restarted."""
     with RolloutWorker(model, config) as worker:
@@ -81,7 +60,7 @@ def test_unseeded_rollouts_repeat_for_one_worker_seed_and_call_order_whatever_th
 def test_unseeded_rollouts_repeat_after_an_engine_restart(tiny, inject_engine_fault):
     model, _ = tiny
     clean, _ = rollouts(model, ROOMY, [(PROMPTS, PARAMS)])
-    inject_engine_fault()
+    inject_engine_fault(4)  # mid-call
     recovered, restarts = rollouts(model, ROOMY, [(PROMPTS, PARAMS)])
     assert restarts == 1 and recovered == clean
 
@@ -93,6 +72,6 @@ def test_seeded_samples_repeat_whatever_the_batch_preemption_or_restart(tiny, so
     (crowded,), _ = rollouts(model, CRAMPED, [(crowd[:2] + PROMPTS[:2] + crowd[2:], PARAMS[:2] + SEEDED + PARAMS[:2])])
     assert any(n > 0 for n in soft_resets)
     assert crowded[5:9] == alone  # rows 5-8: the two seeded prompts' samples, after the first two prompts' 5
-    inject_engine_fault()
+    inject_engine_fault(4)  # mid-call
     (recovered,), restarts = rollouts(model, ROOMY, [(crowd[:1] + PROMPTS[:2], PARAMS[:1] + SEEDED)])
     assert restarts == 1 and recovered[3:] == alone

@@ -16,7 +16,8 @@ Contract:
 - update_weights puts the tensors in the object store once (or broadcasts them over a torch.distributed group, see
   init_weight_group); every actor applies them atomically under its fence; versions are compared before it returns,
   and fingerprints too (every update, or every `verify_every`-th: each costs every actor a checksum of its weights on
-  its device, rollout.weights.fingerprint). Calls are serialised, so no row returned after update_weights comes from older weights.
+  its device, rollout.weights.fingerprint). Calls are serialised, so no row returned after update_weights comes from
+  older weights.
 """
 
 from __future__ import annotations
