@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import signal
 import socket
 import traceback
 import warnings
@@ -125,7 +126,7 @@ class FleetActor:
             return self.worker.update_weights_by_bucket(self.group.stream(buckets), version=version, full=full)
         except BaseException:
             traceback.print_exc()
-            os._exit(1)
+            os.kill(os.getpid(), signal.SIGKILL)  # dies at once, as a dead actor the fleet knows how to replace
 
     def close(self) -> None:
         self.group = None
