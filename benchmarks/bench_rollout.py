@@ -240,6 +240,20 @@ def profile_seconds(step_seconds: dict[int, float], budgets: list[int], n: int) 
     return sum(at(n * sum(1 for b in budgets if b > t)) for t in range(max(budgets)))
 
 
+def bandwidth_bound(model, args, rows: int, context: int, sizes: list[int], steps) -> dict:
+    """Decode tokens/s if every step only read the weights once and each row's KV once, at args.bandwidth_tbs:
+    "bound" at all rows and the mean context, "bound@profile" at the ragged step's live rows."""
+    from rollout.engine.sizing import kv_bytes_per_token
+
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    per_token = kv_bytes_per_token(model)
+    step_s = {size: (weight_bytes + size * context * per_token) / (args.bandwidth_tbs * 1e12) for size in sizes}
+    profile = statistics.median(sum(b * args.n for b in budgets) / profile_seconds(step_s, budgets, args.n)
+                                for _, budgets in steps)
+    return {"bound": {"useful_tokens_per_s": rows / step_s[rows], "step_s": step_s[rows], "tokens_per_step": rows},
+            "bound@profile": {"useful_tokens_per_s": profile}}
+
+
 # ---------------------------------------------------------------------------------------------------- main
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -256,15 +270,19 @@ def parse_args():
     parser.add_argument("--workers", default="auto",
                         help="attention implementations of the worker rows, e.g. auto,sdpa; the first is 'worker'")
     parser.add_argument("--page-size", type=int, default=WorkerConfig.page_size)
-    parser.add_argument("--max-batch-tokens", type=int, default=WorkerConfig.max_batch_tokens)
+    parser.add_argument("--max-batch-tokens", type=int, default=None, help="default: WorkerConfig's for the device")
     parser.add_argument("--num-blocks", type=int, default=1024, help="KV blocks for every engine (pages)")
     parser.add_argument("--gap-rows", type=int, default=8, help="rows of the last step checked against a forward")
     parser.add_argument("--skip", default="", help="comma-separated methods to skip: generate_batch,generate")
     parser.add_argument("--quick", action="store_true", help="4 prompts x 4 samples, completions 16-48, 1 round")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bandwidth-tbs", type=float, default=None,
+                        help="device memory bandwidth in TB/s (H200: 4.8): adds the decode bound rows")
     args = parser.parse_args()
     if args.quick:
         args.prompts, args.n, args.gen_max, args.rounds = 4, 4, min(args.gen_max, 48), 1
+    if args.max_batch_tokens is None:
+        args.max_batch_tokens = WorkerConfig().for_device(torch.device(args.device)).max_batch_tokens
     return args
 
 
@@ -347,6 +365,8 @@ def main() -> None:
                          "attention": engine_attn.get(name), "logprob_gap": gaps.get(name)}
     results["ceiling"] = {"useful_tokens_per_s": rows / step_s[rows], "step_s": step_s[rows], "tokens_per_step": rows}
     results["ceiling@profile"] = {"useful_tokens_per_s": profile_tps}
+    if args.bandwidth_tbs:
+        results.update(bandwidth_bound(model, args, rows, mean_context, sizes, steps[1:]))
     wtps = results["worker"]["useful_tokens_per_s"]
     ratios = {f"worker/{k}": wtps / v["useful_tokens_per_s"] for k, v in results.items() if k != "worker"}
     goals = {"generate": 2.5, "generate_batch": 2.0, "ceiling": 0.7}  # issue 7: worker / it at least this
@@ -362,7 +382,8 @@ def main() -> None:
           f"{args.rounds} timed rounds after 1 warmup, medians")
     print(f"# engines: page_size={args.page_size} max_batch_tokens={args.max_batch_tokens} "
           f"num_blocks={args.num_blocks}; worker attention: {engine_attn}; ceiling: DynamicCache decode, {rows} rows, "
-          f"context {mean_context}")
+          f"context {mean_context}" + (f"; bound: weights + KV read once per decode step at {args.bandwidth_tbs} TB/s"
+                                       if args.bandwidth_tbs else ""))
     print(f"# start-up: worker {startup['worker']:.2f} s once (warmup step of all workers {warmup_s:.1f} s); "
           f"generate_batch {'(skipped)' if gb is None else f'{gb} s'} every step; model build {build_s:.1f} s; base RSS {base_rss:.0f} MiB")
     print(f"{'method':<24}{'useful tok/s':>13}{'step s':>9}{'tokens':>8}{f'extra {mem_kind} MiB':>20}"

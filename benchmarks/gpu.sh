@@ -1,53 +1,128 @@
 #!/usr/bin/env bash
-# Rollout throughput on one H100/H200-class GPU, in under 8 minutes: a ~0.5B Qwen2 (Qwen2.5-0.5B's shape, built
-# locally with random weights: nothing is downloaded) in bf16, a GRPO-shaped step of 16 prompts x 8 samples.
-# Rows: the RolloutWorker with sdpa (what WorkerConfig's "auto" picks on a GPU), with rollout_paged, and with
-# flash_attention_2 when the flash_attn wheel imports; transformers' generate_batch (fresh manager per step, its own
-# GPU defaults); padded model.generate; the plain DynamicCache decode ceiling. Each worker row also reports the bf16
-# logprob gap against a plain teacher-forced forward of the same weights.
+# The H200 run in one go (about 7 minutes; the device window is ~15, so one re-run fits), everything under $OUT:
+#   1. python: transformers 5.23.0 (the pinned wheel, carried in wheels/, installed into a venv over the machine's
+#      own torch when its transformers differs), pytest, psutil;
+#   2. tests on CUDA: tests/test_gpu.py (exactness with the CUDA defaults with and without CUDA graphs, fp32 and
+#      bf16; sleep returning the KV cache; fraction budgets; fingerprints across devices), then the CPU suite's
+#      fast files, on this machine                                                   -> gpu_tests.txt
+#   3. throughput: bench_rollout.py on a Qwen2.5-0.5B-shaped bf16 model (random weights, built locally), a GRPO step
+#      of 32 prompts x 8 samples: the worker ("auto": flash when it imports, else rollout_paged), the worker on sdpa,
+#      transformers' generate_batch (its own GPU defaults: flash switch, CUDA graphs, async), padded generate, the
+#      DynamicCache decode ceiling and the bandwidth bound (weights + KV once per step at 4.8 TB/s) -> gpu_rollout.txt
+#   4. colocation: sleep/wake memory and times, the device fingerprint of 7.6B bf16 parameters -> gpu_colocation.txt
+#   5. exactness: bf16 / fp32 logprob gaps per engine attention against a plain forward  -> gpu_exactness.txt
 #
-#   benchmarks/gpu.sh                  # on the GPU machine; the report lands in $OUT/gpu_rollout.txt
-#   benchmarks/gpu.sh --dry-run        # here, on CPU: the same pipeline on the tiny model, bf16, one short round
+#   benchmarks/gpu.sh                  # on the GPU machine (run tool: carry ["wheels"])
+#   benchmarks/gpu.sh --dry-run        # here, on CPU: every step on tiny sizes (test_gpu.py skips itself)
+#   benchmarks/gpu.sh --fetch-wheels   # where a package index is reachable: fill wheels/ (git-ignored, ~25 MiB)
 #
-# Environment: PYTHON (default: python), OUT (default: /tmp/rollout-gpu-bench), LIMIT_S (default: 470).
-set -euo pipefail
+# Environment: PYTHON (default: python), OUT (default: /tmp/rollout-gpu-bench), WHEELS (default: wheels),
+# FORCE_VENV=1 (install the wheels into a venv even when transformers is already 5.23.0: dry-runs that path).
+set -uo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python}
 OUT=${OUT:-${TMPDIR:-/tmp}/rollout-gpu-bench}
-LIMIT_S=${LIMIT_S:-470}
+WHEELS=${WHEELS:-wheels}
+TRANSFORMERS=5.23.0
 DRY_RUN=0
 for arg in "$@"; do
   case "$arg" in
     --dry-run|--tiny) DRY_RUN=1 ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
-    *) echo "gpu.sh: unknown argument '$arg' (use --dry-run or nothing)" >&2; exit 2 ;;
+    --fetch-wheels) FETCH=1 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    *) echo "gpu.sh: unknown argument '$arg' (use --dry-run, --fetch-wheels or nothing)" >&2; exit 2 ;;
   esac
 done
-mkdir -p "$OUT"
 
-WORKERS="sdpa,rollout_paged"
-if "$PYTHON" -c "import flash_attn" 2>/dev/null; then
-  WORKERS="$WORKERS,flash_attention_2"
-else
-  echo "# flash_attn is not importable: no flash_attention_2 row" >&2
-fi
+fetch_wheels() {  # pure-Python wheels once; binary ones (abi3, or per Python version) for Linux x86_64
+  mkdir -p "$WHEELS"
+  "$PYTHON" -m pip download -q --no-deps --dest "$WHEELS" "transformers==$TRANSFORMERS" "huggingface_hub==1.31.0" \
+    click filelock fsspec httpx httpcore h11 anyio sniffio idna certifi typing_extensions packaging tqdm \
+    pytest pluggy iniconfig pygments
+  for py in 3.10 3.11 3.12 3.13; do
+    "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --platform manylinux2014_x86_64 --python-version "$py" \
+      --dest "$WHEELS" "regex>=2025.10.22" "tokenizers>=0.23.1,<0.24" "safetensors>=0.8.0" hf-xet psutil pyyaml
+  done
+  du -sh "$WHEELS"
+}
+if [ "${FETCH:-0}" = 1 ]; then fetch_wheels; exit $?; fi
+
+mkdir -p "$OUT"
+LOG="$OUT/gpu_run.log"
+: > "$LOG"
+say() { echo "# $(date -u +%T) $*" | tee -a "$LOG" >&2; }
+
+setup_python() {  # -> PYTHON runs transformers $TRANSFORMERS with pytest and psutil
+  local ok="import sys, transformers, pytest, psutil; sys.exit(transformers.__version__ != '$TRANSFORMERS')"
+  if [ "${FORCE_VENV:-0}" != 1 ] && "$PYTHON" -c "$ok" 2>/dev/null; then return 0; fi
+  if ! ls "$WHEELS"/transformers-"$TRANSFORMERS"-*.whl >/dev/null 2>&1; then
+    say "no transformers $TRANSFORMERS here and no wheel in $WHEELS/ (run benchmarks/gpu.sh --fetch-wheels where an" \
+        "index is reachable, then carry wheels/)"
+    return 1
+  fi
+  local venv="$OUT/venv" pip=()
+  say "installing transformers $TRANSFORMERS from $WHEELS/ into $venv (over this Python's own packages)"
+  if "$PYTHON" -m venv "$venv" >>"$LOG" 2>&1; then
+    pip=("$venv/bin/python" -m pip)
+  else  # no ensurepip: a bare venv, filled by this Python's pip
+    "$PYTHON" -m venv --without-pip "$venv" >>"$LOG" 2>&1 || return 1
+    pip=("$PYTHON" -m pip --python "$venv/bin/python")
+  fi
+  # this Python's own packages (torch, numpy, ...) stay visible behind the venv's: a .pth of its site directories
+  # (works where --system-site-packages does not: when this Python is itself a venv)
+  "$PYTHON" -c "import site, sys; print('\n'.join(p for p in sys.path if p.endswith('-packages')))" \
+    > "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_outer.pth"
+  "${pip[@]}" install -q --no-index --find-links "$WHEELS" "transformers==$TRANSFORMERS" pytest psutil >>"$LOG" 2>&1 \
+    || return 1
+  PYTHON="$venv/bin/python"
+  "$PYTHON" -c "$ok" 2>>"$LOG"
+}
+
+step() {  # step NAME LIMIT_S OUTFILE COMMAND...: runs under a time limit, keeps going whatever it returns
+  local name=$1 limit=$2 file=$3
+  shift 3
+  say "$name (limit ${limit}s) -> $file"
+  echo "# $(date -u +%FT%TZ) $*" > "$OUT/$file"
+  timeout "$limit" "$@" >>"$OUT/$file" 2>>"$LOG"
+  local rc=$?
+  say "$name: exit $rc"
+  tail -n 25 "$OUT/$file" >&2
+  return 0
+}
+
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+setup_python || { say "python setup failed: see $LOG"; exit 1; }
+say "python: $PYTHON; $("$PYTHON" -c 'import torch, transformers; print("torch", torch.__version__, "cuda",
+  torch.version.cuda, "transformers", transformers.__version__, "gpu", torch.cuda.get_device_name() if
+  torch.cuda.is_available() else "-")' 2>&1)"
+FLASH=$("$PYTHON" -c "from rollout.engine import cuda; print(cuda.flash_attn_imports())" 2>>"$LOG")
+say "flash_attn imports: $FLASH"
 
 if [ "$DRY_RUN" = 1 ]; then
-  ARGS=(--device cpu --dtype bfloat16 --size tiny --quick --num-blocks 256 --gap-rows 4)
-  WORKERS="sdpa,rollout_paged"
+  BENCH=(--device cpu --dtype bfloat16 --size tiny --quick --num-blocks 256 --gap-rows 4 --bandwidth-tbs 4.8
+         --workers auto,sdpa)
+  COLOCATION=(--dry-run)
+  EXACT=(--device cpu --size tiny --dtypes bfloat16,float32 --max-new-tokens 8 --kv-mb 64)
+  TESTS=(tests/test_gpu.py tests/test_cuda.py tests/test_sampler.py)
 else
   if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    echo "gpu.sh: torch sees no CUDA device (use --dry-run on a CPU machine)" >&2
+    say "torch sees no CUDA device (use --dry-run on a CPU machine)"
     exit 1
   fi
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >&2 || true
-  # 128 rows, prompts 64-256 tokens, completions 32-384: KV of 128 x 640 tokens fits 8192 pages of 16 tokens
-  ARGS=(--device cuda --dtype bfloat16 --size 0.5b --prompts 16 --n 8 --prompt-min 64 --prompt-max 256
-        --gen-min 32 --gen-max 384 --rounds 2 --page-size 16 --max-batch-tokens 4096 --num-blocks 8192
-        --gap-rows 32)
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$LOG" 2>&1 || true
+  # 256 rows, prompts 64-512 tokens, completions 32-512: <= 1024 tokens x 256 rows in 32768 pages of 16 tokens
+  BENCH=(--device cuda --dtype bfloat16 --size 0.5b --prompts 32 --n 8 --prompt-min 64 --prompt-max 512
+         --gen-min 32 --gen-max 512 --rounds 2 --page-size 16 --max-batch-tokens 8192 --num-blocks 32768
+         --gap-rows 32 --bandwidth-tbs 4.8 --workers auto,sdpa)
+  COLOCATION=()
+  EXACT=(--device cuda --size 100m --dtypes bfloat16,float32)
+  TESTS=(tests/test_gpu.py tests/test_cuda.py tests/test_sampler.py tests/test_sizing.py tests/test_config.py
+         tests/test_upstream_contract.py tests/test_reproducibility.py)
 fi
 
-echo "# $(date -u +%FT%TZ) benchmarks/bench_rollout.py ${ARGS[*]} --workers $WORKERS" | tee "$OUT/gpu_rollout.txt"
-timeout "$LIMIT_S" "$PYTHON" benchmarks/bench_rollout.py "${ARGS[@]}" --workers "$WORKERS" \
-  2> >(tee "$OUT/gpu_rollout.log" >&2) | tee -a "$OUT/gpu_rollout.txt"
+step "tests" 120 gpu_tests.txt "$PYTHON" -m pytest -q -rs -s -p no:cacheprovider "${TESTS[@]}"
+step "throughput" 240 gpu_rollout.txt "$PYTHON" benchmarks/bench_rollout.py "${BENCH[@]}"
+step "colocation" 90 gpu_colocation.txt "$PYTHON" benchmarks/gpu_colocation.py "${COLOCATION[@]}"
+step "exactness" 90 gpu_exactness.txt "$PYTHON" benchmarks/gpu_exactness.py "${EXACT[@]}"
+say "done: $(ls "$OUT")"

@@ -1,12 +1,13 @@
 """WorkerConfig: how a RolloutWorker sizes and runs its engine. Frozen and validated at construction.
 
-The defaults are sized for a small CPU machine and for a GPU shared with training: the KV cache takes a fixed
-memory budget (not a fraction of free memory, as transformers does by default), and the batch token budget is
-small enough that the per-step buffers stay in the tens of MiB.
+Sizes left at None are the device's defaults (`for_device`): on CPU a fixed 256 MiB KV budget and a 512-token step,
+so the per-step buffers stay in the tens of MiB; on a GPU half of the device memory free when the engine is built
+(again at every wake), and steps of up to 8192 tokens and 512 sequences.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .errors import check_int, invalid
@@ -21,18 +22,43 @@ def check_in_flight(value: object, field: str = "in_flight") -> None:
                       "tokens, recompute their KV under the new weights) or 'keep' (continue on old-weight KV)")
 
 
+CUDA_GRAPH_POLICIES = ("auto", "off")
+
+
+@dataclass(frozen=True)
+class DeviceDefaults:
+    """What a size left at None means on one kind of device."""
+
+    max_batch_tokens: int
+    max_requests_per_batch: int
+    kv_cache_memory_mb: int | None  # a fixed budget, or None for kv_cache_memory_fraction
+    kv_cache_memory_fraction: float | None
+
+
+CPU_DEFAULTS = DeviceDefaults(max_batch_tokens=512, max_requests_per_batch=128, kv_cache_memory_mb=256,
+                              kv_cache_memory_fraction=None)
+# A GRPO step of 256+ rows decodes in one forward; 8192 tokens is transformers' own default step budget.
+GPU_DEFAULTS = DeviceDefaults(max_batch_tokens=8192, max_requests_per_batch=512, kv_cache_memory_mb=None,
+                              kv_cache_memory_fraction=0.5)
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """Engine sizing and behaviour.
 
     page_size: tokens per KV page (transformers minimum: 4).
-    num_blocks: KV blocks of `page_size` tokens; None derives it from `kv_cache_memory_mb`.
-    max_batch_tokens: query tokens per forward step (prefill chunks + decodes).
-    kv_cache_memory_mb: KV budget used when num_blocks is None.
+    num_blocks: KV blocks of `page_size` tokens; None derives it from the KV budget (the two fields below).
+    max_batch_tokens: query tokens per forward step (prefill chunks + decodes); None: 512 on CPU, 8192 on a GPU.
+    kv_cache_memory_mb: KV budget in MiB; None: the device default (256 on CPU; on a GPU, the fraction below).
+    kv_cache_memory_fraction: KV budget as a fraction in (0, 1] of the device memory free when the engine is built
+        (CUDA: `torch.cuda.mem_get_info`; CPU: MemAvailable); exclusive with kv_cache_memory_mb. None: the device
+        default (0.5 on a GPU). A sleeping worker measures again when it wakes.
     max_cache_tokens: cap on cached tokens when num_blocks is None and the engine's attention allocates a dense
         max_batch_tokens x cache-tokens mask ("sdpa", "paged|eager"; an uncapped cache on CPU costs GiBs of mask).
-        Mask-free attention ("rollout_paged", flash) is sized by kv_cache_memory_mb alone.
-    max_requests_per_batch: most sequences in one forward step.
+        Mask-free attention ("rollout_paged", flash) is sized by the KV budget alone.
+    max_requests_per_batch: most sequences in one forward step; None: 128 on CPU, 512 on a GPU.
+    max_request_tokens: the longest request (prompt + completion) the worker must hold; when set, start-up fails
+        unless the KV cache holds one such request, with an error that says how many tokens fit.
     prefix_caching: reuse KV of identical prompt prefixes across calls (invalidated on every weight change).
     in_flight: what a weight update does with calls in flight (each update may override it): "wait" for them to
         finish on the old weights (default), "abort" them and re-run them on the new weights, "recompute" their KV
@@ -42,34 +68,44 @@ class WorkerConfig:
     max_retries: times a request is re-run after the engine died under it before the call fails.
     env_threads: threads that run environments' synchronous `step` calls (and `make_env`) of multi-turn episodes, so
         that many slow steps overlap; a step that outlives `env_timeout` keeps its thread until it returns.
-    attn_implementation: attention used by the engine: "auto" (default: "rollout_paged" on CPU, the model's own
-        elsewhere), "rollout_paged" (rollout/engine/attention.py: no dense mask, batched decode), "sdpa",
-        "paged|eager", a flash implementation, or None to keep the model's. The owner's attention is restored
-        between calls.
+    attn_implementation: attention used by the engine: "auto" (default: "rollout_paged" on CPU; on CUDA the model's
+        own if it is flash, else flash_attention_2 when flash_attn imports, else "rollout_paged"), "rollout_paged"
+        (rollout/engine/attention.py: no dense mask, batched decode), "sdpa", "paged|eager", a flash implementation,
+        or None to keep the model's. The owner's attention is restored between calls.
+    cuda_graphs: "auto" (default) captures the engine's steps in CUDA graphs and overlaps host and device work (async
+        batching) on CUDA when the attention allows it (a flash implementation); "off" never does. Off on CPU.
     """
 
     page_size: int = 16
     num_blocks: int | None = None
-    max_batch_tokens: int = 512
-    kv_cache_memory_mb: int = 256
+    max_batch_tokens: int | None = None
+    kv_cache_memory_mb: int | None = None
+    kv_cache_memory_fraction: float | None = None
     max_cache_tokens: int = 32768
-    max_requests_per_batch: int = 128
+    max_requests_per_batch: int | None = None
+    max_request_tokens: int | None = None
     prefix_caching: bool = True
     in_flight: str = "wait"
     seed: int = 0
     max_retries: int = 2
     env_threads: int = 64
     attn_implementation: str | None = "auto"
+    cuda_graphs: str = "auto"
 
     def __post_init__(self) -> None:
         check_int("page_size", self.page_size, 4, "use a page size of at least 4 tokens (16 is a good CPU default)")
         if self.num_blocks is not None:
             check_int("num_blocks", self.num_blocks, 1, "use None to size from kv_cache_memory_mb, or >= 1")
-        check_int("max_batch_tokens", self.max_batch_tokens, 1, "use e.g. 512 on CPU, 2048-8192 on GPU")
-        check_int("kv_cache_memory_mb", self.kv_cache_memory_mb, 1, "give the KV cache at least 1 MiB")
+        if self.max_batch_tokens is not None:
+            check_int("max_batch_tokens", self.max_batch_tokens, 1, "use e.g. 512 on CPU, 2048-8192 on GPU")
+        self._check_kv_budget()
         check_int("max_cache_tokens", self.max_cache_tokens, self.page_size,
                       "allow at least one page of cached tokens")
-        check_int("max_requests_per_batch", self.max_requests_per_batch, 1, "allow at least 1 request per step")
+        if self.max_requests_per_batch is not None:
+            check_int("max_requests_per_batch", self.max_requests_per_batch, 1, "allow at least 1 request per step")
+        if self.max_request_tokens is not None:
+            check_int("max_request_tokens", self.max_request_tokens, 2,
+                      "use the longest prompt + max_new_tokens a call will send, or None to skip the start-up check")
         check_int("max_retries", self.max_retries, 0, "use 0 to never re-run, or a small number such as 2")
         check_int("seed", self.seed, 0, "use a non-negative integer")
         check_int("env_threads", self.env_threads, 1, "allow at least 1 thread for environment steps (64 is the "
@@ -81,4 +117,32 @@ class WorkerConfig:
                           "use 'auto', 'rollout_paged', 'sdpa', a flash implementation, or None")
         if not isinstance(self.prefix_caching, bool):
             raise invalid("prefix_caching", self.prefix_caching, "must be a bool", "use True or False")
+        if self.cuda_graphs not in CUDA_GRAPH_POLICIES:
+            raise invalid("cuda_graphs", self.cuda_graphs, f"must be one of {CUDA_GRAPH_POLICIES}",
+                          "use 'auto' (on CUDA when the attention allows it) or 'off'")
+
+    def _check_kv_budget(self) -> None:
+        if self.kv_cache_memory_mb is not None:
+            check_int("kv_cache_memory_mb", self.kv_cache_memory_mb, 1, "give the KV cache at least 1 MiB")
+        fraction = self.kv_cache_memory_fraction
+        if fraction is None:
+            return
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise invalid("kv_cache_memory_fraction", fraction, "must be a number in (0, 1]",
+                          "use e.g. 0.5 for half of the free device memory, or None")
+        if self.kv_cache_memory_mb is not None:
+            raise invalid("kv_cache_memory_fraction", fraction,
+                          f"is exclusive with kv_cache_memory_mb (set to {self.kv_cache_memory_mb})",
+                          "set one of the two KV budgets and leave the other at None")
+
+    def for_device(self, device) -> "WorkerConfig":
+        """This config with every size left at None replaced by the defaults of `device` (a torch.device or its
+        type); the KV budget stays one of kv_cache_memory_mb or kv_cache_memory_fraction."""
+        defaults = CPU_DEFAULTS if getattr(device, "type", device) == "cpu" else GPU_DEFAULTS
+        sizes = {name: getattr(defaults, name) for name in ("max_batch_tokens", "max_requests_per_batch")
+                 if getattr(self, name) is None}
+        if self.kv_cache_memory_mb is None and self.kv_cache_memory_fraction is None:
+            sizes.update(kv_cache_memory_mb=defaults.kv_cache_memory_mb,
+                         kv_cache_memory_fraction=defaults.kv_cache_memory_fraction)
+        return dataclasses.replace(self, **sizes)
 

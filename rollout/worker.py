@@ -5,9 +5,11 @@
     ...  # optimizer.step() on the same model
     worker.refresh()                           # shared model: fence, cache invalidation, version bump
     worker.update_weights(state_dict)          # own copy: atomic, validated, in-place copy
+    worker.sleep(); ...train...; worker.wake() # colocated with a trainer: the KV cache is freed while it trains
 
-One persistent engine per worker (started once). A shared model is used in place: generate leaves its training
-flag and attention implementation as it found them, and never touches its gradients or the global RNG.
+One persistent engine per worker (started once; rebuilt when it wakes from `sleep`). A shared model is used in
+place: generate leaves its training flag and attention implementation as it found them, and never touches its
+gradients or the global RNG.
 """
 
 from __future__ import annotations
@@ -56,16 +58,23 @@ class RolloutWorker:
         self._lock = threading.RLock()
         self._active_calls = 0
         self._was_training = self.model.training
-        self.engine = Engine(self.model, self.config)
-        self._engine_attn = current_attn_implementation(self.model)
-        self._set_attn(self._user_attn)
+        try:  # a config the model cannot run with fails here: the owner's attention comes back all the same
+            self.engine = Engine(self.model, self.config)
+            self._engine_attn = current_attn_implementation(self.model)
+        finally:
+            self._set_attn(self._user_attn)
         self._fingerprint_cache: tuple[int, str] | None = None
+        self._half_updated: str | None = None  # why a bucketed update stopped midway (see update_weights_by_bucket)
         _LIVE_WORKERS.add(self)
 
     # ------------------------------------------------------------------ properties
     @property
     def policy_version(self) -> int:
         return self.engine.version
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
 
     @property
     def vocab_size(self) -> int:
@@ -88,7 +97,8 @@ class RolloutWorker:
                  max_turns: int = 1, max_episode_tokens: int | None = None,
                  env_timeout: float | None = 300.0) -> RolloutBatch:
         """Generate every sample of every prompt; rows come back prompt-major. Validates the whole call first.
-        `submit(...).result(timeout)`, except that a call that times out (or is interrupted) is cancelled.
+        `submit(...).result(timeout)`, except that a call that times out (or is interrupted) is cancelled. A
+        sleeping worker wakes first (its cache is re-allocated, as `wake()` does).
 
         With `env` (`make_env(prompt_index, sample_index) -> Environment`), every sample is a multi-turn episode:
         after each model turn its environment steps off the engine thread and the next turn is submitted as soon as
@@ -106,6 +116,9 @@ class RolloutWorker:
         """Validate the call, submit it and return at once (docs/async.md). Several calls may be in flight; weight
         updates may land while they run (`update_weights(..., in_flight=...)`), and every token of the result says
         which version produced it (`batch.token_versions`)."""
+        if self._half_updated is not None:
+            raise RuntimeError(f"the weights are half-updated: {self._half_updated}. Fix: send the whole state dict "
+                               "with update_weights(..., full=True) before generating.")
         spec = EpisodeSpec.of(env, max_turns, max_episode_tokens, env_timeout)
         groups = self._prepare(prompts, sampling, chat_template, spec)
         call = Call([s for group in groups for s in group], on_over=lambda _: self._leave_generation_mode())
@@ -182,6 +195,8 @@ class RolloutWorker:
         plan = weights_mod.plan_update(self.model, weights, full=full)
         with self.weight_update(version, in_flight) as bump:
             weights_mod.apply_update(plan)
+            if full:
+                self._half_updated = None
             return bump()
 
     @contextlib.contextmanager
@@ -203,6 +218,25 @@ class RolloutWorker:
             yield bump
             bump()
 
+    def update_weights_by_bucket(self, buckets: Iterable, version: int | None = None, full: bool = False,
+                                 in_flight: str | None = None) -> int:
+        """update_weights for a sender that validated the whole update already (RolloutFleet does): each bucket (a
+        dict or (name, tensor) pairs) is validated and copied in as it arrives, so one bucket is staged, not all of
+        them (update_weights holds an extra copy of the weights). Rollouts never see a half-updated model (one fence
+        for all buckets), but a bucket that fails, or a stream that breaks, leaves the earlier ones applied: the
+        worker then refuses to generate until a full update succeeds."""
+        with self.weight_update(version, in_flight) as bump:
+            try:
+                seen = weights_mod.apply_by_bucket(self.model, buckets)
+                if full:
+                    weights_mod.check_complete(self.model, seen)
+            except BaseException as exc:
+                self._half_updated = f"a bucketed update stopped midway ({type(exc).__name__}: {exc})"
+                raise
+            if full:
+                self._half_updated = None
+            return bump()
+
     def _bump(self, version: int | None) -> int:
         self.engine.version = self.engine.version + 1 if version is None else version
         self._fingerprint_cache = None
@@ -220,6 +254,21 @@ class RolloutWorker:
         with self.engine.exclusive("wait", invalidate=False):
             return score(self.model, prompts, completions, temperature=temperature, tokenizer=self.tokenizer,
                          **kwargs)
+
+    # ------------------------------------------------------------------ colocation
+    def sleep(self) -> None:
+        """Free the KV cache and the engine's step buffers (and CUDA graphs) for a trainer sharing the device; the
+        model's weights stay where they are. Waits for in-flight generate calls from other threads first; calls made
+        meanwhile wait, then wake the worker. Weight updates and refreshes work while asleep."""
+        self.engine.sleep()
+
+    def wake(self) -> None:
+        """Re-allocate what `sleep` freed (a fraction budget is measured again); `generate` does it by itself."""
+        self._enter_generation_mode()  # the engine's buffers are sized for the engine's attention
+        try:
+            self.engine.wake()
+        finally:
+            self._leave_generation_mode()
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

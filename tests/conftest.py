@@ -19,6 +19,27 @@ def tiny_tied_qwen_path(tmp_path_factory):
 
 
 @pytest.fixture()
+def inject_engine_fault(monkeypatch):
+    """inject(at_step): from then on, the at_step-th engine step (counted across engines) raises inside the forward,
+    killing the engine thread; the worker rebuilds its engine and re-runs what was in flight."""
+    from rollout.engine.runner import RolloutModelRunner
+
+    def inject(at_step: int) -> None:
+        original = RolloutModelRunner._forward_process_and_sample
+        steps = {"n": 0}
+
+        def flaky(self, *args):
+            steps["n"] += 1
+            if steps["n"] == at_step:
+                raise RuntimeError("injected engine fault")
+            return original(self, *args)
+
+        monkeypatch.setattr(RolloutModelRunner, "_forward_process_and_sample", flaky)
+
+    return inject
+
+
+@pytest.fixture()
 def tiny(tiny_path):
     """A fresh (model, tokenizer) pair, fp32 sdpa on CPU."""
     return load_tiny_model(tiny_path)
@@ -31,9 +52,9 @@ def reference_logprobs(model, prompt: list[int], completion: list[int], temperat
     Returns (full-vocabulary logprobs of log_softmax(logits / T), logprobs under the top-k / top-p truncated and
     renormalised distribution), one per completion token. Greedy (T == 0) uses T = 1 and truncated logprob 0.
     """
-    ids = torch.tensor([prompt + completion])
+    ids = torch.tensor([prompt + completion], device=model.device)
     with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float().cpu()
     target = torch.tensor(completion)[:, None]
     temp = 1.0 if temperature == 0 else temperature
     full = torch.log_softmax(logits / temp, dim=-1)

@@ -46,6 +46,13 @@ def test_sampling_params_are_frozen_and_normalise_stop_ids():
     ({"in_flight": "drop"}, "in_flight='drop' is invalid: must be one of"),
     ({"max_retries": -1}, "max_retries=-1 is invalid"),
     ({"prefix_caching": 1}, "prefix_caching=1 is invalid: must be a bool"),
+    ({"kv_cache_memory_fraction": 0.0}, r"kv_cache_memory_fraction=0.0 is invalid: must be a number in \(0, 1\]"),
+    ({"kv_cache_memory_fraction": 1.01}, "kv_cache_memory_fraction=1.01 is invalid"),
+    ({"kv_cache_memory_fraction": True}, "kv_cache_memory_fraction=True is invalid"),
+    ({"kv_cache_memory_fraction": 0.5, "kv_cache_memory_mb": 100},
+     r"kv_cache_memory_fraction=0.5 is invalid: is exclusive with kv_cache_memory_mb \(set to 100\). Fix: set one"),
+    ({"max_request_tokens": 0}, "max_request_tokens=0 is invalid"),
+    ({"cuda_graphs": "on"}, "cuda_graphs='on' is invalid: must be one of"),
 ])
 def test_bad_worker_config_values_are_value_errors_naming_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):

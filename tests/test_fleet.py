@@ -116,14 +116,25 @@ def test_gloo_group_broadcasts_every_bucket_to_every_rank():
     tensors, port, got = _mixed_tensors(), free_port(), {}
     buckets = layout(list(tensors.items()), bucket_mb=1000 / 2**20)
 
+    staged = []  # (dtype, address) of every bucket rank 2 was handed
+
+    def streamed(group) -> dict:
+        out = {}
+        for bucket in group.stream(buckets):
+            staged.append({(t.dtype, t.untyped_storage().data_ptr()) for t in bucket.values()})
+            out.update({k: t.clone() for k, t in bucket.items()})  # consumed before the next one lands
+        return out
+
     def rank(r: int) -> None:
         group = WeightGroup("gloo", "127.0.0.1", port, r, 3, timeout_s=60)
-        got[r] = group.send(buckets, tensors) if r == 0 else group.receive(buckets)
+        got[r] = group.send(buckets, tensors) if r == 0 else group.receive(buckets) if r == 1 else streamed(group)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
     [t.start() for t in threads]
     [t.join(60) for t in threads]
     assert all(torch.equal(got[r][k], v) for r in (1, 2) for k, v in tensors.items())
+    # streamed: one staging buffer per dtype, reused by every bucket of that dtype
+    assert len(staged) == len(buckets) and len(set().union(*staged)) == len({b.dtype for b in buckets})
 
 
 # ---------------------------------------------------------------------- the actor class, in-process
@@ -146,7 +157,8 @@ def test_bad_fleet_arguments_fail_before_ray_starts(tiny_path):
 
     for kwargs, field in [({"num_workers": 0}, "num_workers"), ({"chunks_per_worker": 0}, "chunks_per_worker"),
                           ({"resources": {"placement": "pack"}}, "placement"), ({"resources": {"num_gpus": -1}},
-                                                                                 "num_gpus")]:
+                                                                                 "num_gpus"),
+                          ({"verify_every": 0}, "verify_every=0 is invalid")]:
         with pytest.raises(ValueError, match=field):
             RolloutFleet(tiny_path, **kwargs)
     with pytest.raises(ValueError, match="not a model object"):
@@ -240,6 +252,34 @@ def test_broadcast_then_generate_uses_only_the_new_weights(fleet, local):
     batch = fleet.generate(prompts, params)
     assert batch.policy_version.tolist() == [7] * len(batch)
     assert_exact(local, batch, prompts, params)
+
+
+def test_fingerprints_are_compared_on_every_kth_update_and_on_request(fleet, local):
+    fleet.verify_every = 2
+    try:
+        before = [s["num_fingerprints"] for s in _stats(fleet)]
+        for seed in (3, 4):
+            weights = perturbed(local, seed=seed)
+            local.load_state_dict(weights)
+            fleet.update_weights(weights, version=7)  # the version later tests expect
+        assert [s["num_fingerprints"] - b for s, b in zip(_stats(fleet), before)] == [1, 1]
+        assert fleet.weights_fingerprint() == fingerprint(local)
+        assert [s["num_fingerprints"] - b for s, b in zip(_stats(fleet), before)] == [2, 2]
+    finally:
+        fleet.verify_every = 1
+
+
+def test_sleep_frees_every_actor_and_generate_wakes_them_on_current_weights(fleet, local):
+    fleet.sleep()
+    assert [s["sleeping"] for s in _stats(fleet)] == [True, True]
+    prompts = [prompt_of(5 + i, 60 + i) for i in range(4)]
+    params = [SamplingParams(n=2, max_new_tokens=6)] * len(prompts)
+    batch = fleet.generate(prompts, params)
+    assert batch.policy_version.tolist() == [fleet.policy_version] * len(batch)
+    assert_exact(local, batch, prompts, params)
+    fleet.sleep()
+    fleet.wake()
+    assert [s["sleeping"] for s in _stats(fleet)] == [False, False]
 
 
 def test_score_splits_pairs_across_actors_in_input_order(fleet, local):

@@ -71,7 +71,8 @@ from transformers.generation.continuous_batching.cache_allocators.cache_allocato
 from transformers.generation.continuous_batching.cache_allocators.full_attention import FullAttentionCacheAllocator
 from transformers.generation.continuous_batching.continuous_api import (
     BackgroundThreadStatus, ContinuousBatchingManager, ContinuousBatchProcessor, OutputRouter)
-from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs, PagedAttentionArgs
+from transformers.generation.continuous_batching.input_outputs import (ContinuousBatchingIOs, HostDeviceIOPair,
+                                                                       PagedAttentionArgs)
 from transformers.generation.continuous_batching.model_runner import ModelRunner
 from transformers.generation.continuous_batching.requests import RequestState, RequestStatus
 from transformers.generation.continuous_batching.scheduler import FIFOScheduler
@@ -212,7 +213,9 @@ def test_output_ids_hold_tokens_in_row_0_and_fp32_logprobs_as_int32_in_row_1(wor
     with manager.pause():  # the loop is parked: its buffers are ours for a moment
         io = manager.batch_processor.inputs_and_outputs
         assert isinstance(io, ContinuousBatchingIOs)
-        assert io.output_ids.dtype == torch.int32 and io.output_ids.shape[0] == 2  # return_logprobs=True
+        # rows 0 and 1 are upstream's (return_logprobs=True); runner.RolloutIOs adds row 2, the sampling logprobs,
+        # read back in the same copy
+        assert io.output_ids.dtype == torch.int32 and io.output_ids.shape[0] == 3
         count, io.num_request_in_batch = io.num_request_in_batch, 3
         tokens, logprobs = torch.tensor([7, 9, 11]), torch.tensor([-0.5, -1.25, -3.0e-8])
         try:
@@ -324,3 +327,26 @@ def test_block_hashes_are_unsigned_64_bit_chained_from_the_parent():
     assert 0 <= first < 2**64 and compute_block_hash(first, [5, 6]) != compute_block_hash(None, [5, 6])
     ledger = BlockLedger()
     assert {"hash_to_block", "block_to_hash"} <= set(vars(ledger))
+
+
+def test_the_step_inputs_and_outputs_keep_the_layout_the_sampler_hooks_rely_on():
+    # runner.RowSlotArgs: one line of the bulk input tensor per `tensors_required`, filled by prepare_tensor_args and
+    # handed to the forward as logits_processor_args
+    setup = inspect.getsource(ContinuousBatchingIOs._setup_static_tensors)
+    assert "bulk_lines = self.static_inputs + logit_processor.tensors_required" in setup
+    assert "logit_processor.fill_defaults(self.logits_processors_defaults)" in setup
+    prepare = inspect.getsource(ContinuousBatchingIOs.prepare_batch_tensors)
+    assert "arg_storage=self._bulk_input_tensor[self.static_inputs :]," in prepare
+    assert "logits_processor_args=self._bulk_input_tensor[self.static_inputs :, :num_sequences]" in inspect.getsource(
+        ContinuousBatchingIOs.get_model_kwargs)
+    # runner.RolloutIOs: outputs are read back once per step through prepare_batch_update, which returns
+    # (requests, tokens, logprobs); async batching copies the whole output tensor to the host and drops the tokens of
+    # requests finished or preempted after scheduling
+    assert list(inspect.signature(ContinuousBatchingIOs.prepare_batch_update).parameters) == ["self"]
+    update = inspect.getsource(ContinuousBatchProcessor.update_batch)
+    assert "requests_in_batch, new_tokens, logprobs = self.inputs_and_outputs.prepare_batch_update()" in update
+    assert "if state.status in (RequestStatus.FINISHED, RequestStatus.PENDING):" in update
+    assert "self.host_io.output_ids.copy_(self.device_io.output_ids, non_blocking=True)" in inspect.getsource(
+        HostDeviceIOPair.transfer_outputs_d2h)
+    assert "self.logit_processor = ContinuousBatchingLogitsProcessorList(" in inspect.getsource(
+        ContinuousBatchingManager.__init__)

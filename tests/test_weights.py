@@ -125,6 +125,60 @@ def test_fingerprints_agree_exactly_when_weights_agree(tiny_path):
         assert wa.weights_fingerprint() == wb.weights_fingerprint()
 
 
+def test_a_bucketed_update_applies_what_update_weights_would(tiny_path):
+    a, _ = load_tiny_model(tiny_path)
+    b, _ = load_tiny_model(tiny_path)
+    state = perturbed_state(a)
+    names = sorted(state)
+    buckets = [{n: state[n] for n in names[i: i + 5]} for i in range(0, len(names), 5)]
+    with RolloutWorker(a, WorkerConfig(num_blocks=32)) as wa, RolloutWorker(b, WorkerConfig(num_blocks=32)) as wb:
+        assert wa.update_weights(state) == wb.update_weights_by_bucket(iter(buckets)) == 1
+        assert wa.weights_fingerprint() == wb.weights_fingerprint()
+        params = SamplingParams(temperature=0.0, max_new_tokens=6)
+        assert max_error(b, wb.generate([prompt_of(9)], params)) <= TOL
+
+
+def test_a_bucketed_update_that_stops_midway_blocks_generation_until_a_full_update(worker):
+    state = perturbed_state(worker.model)
+    names = sorted(state)
+    bad = dict(state, **{names[-1]: torch.full_like(state[names[-1]], float("nan"))})
+    buckets = [{n: bad[n] for n in names[:3]}, {n: bad[n] for n in names[3:]}]
+    with pytest.raises(ValueError, match=f"weights\\[{names[-1]!r}\\] contains NaN"):
+        worker.update_weights_by_bucket(buckets)
+    assert torch.equal(worker.model.get_parameter(names[0]), state[names[0]])  # the first bucket went in
+    assert worker.policy_version == 0
+    with pytest.raises(RuntimeError, match="half-updated: a bucketed update stopped midway .*contains NaN.*full=True"):
+        worker.generate([prompt_of(5)], SamplingParams(max_new_tokens=2))
+    full = dict(worker.model.state_dict(), **state)
+    assert worker.update_weights(full, full=True) == 1
+    assert max_error(worker.model, worker.generate([prompt_of(5)], SamplingParams(max_new_tokens=4))) <= TOL
+
+
+def checksum_reference(tensor: torch.Tensor) -> int:
+    """Independent of the tensor code: each element's bits as an int, mixed with its index by splitmix64 on Python
+    ints, summed mod 2^64 (signed, as torch's int64 holds it)."""
+    from rollout.engine.streams import GOLDEN, MASK64, mix64
+
+    words = tensor.reshape(-1).view({2: torch.int16, 4: torch.int32}[tensor.element_size()]).tolist()
+    total = sum(mix64((w + (i + 1) * GOLDEN) & MASK64) for i, w in enumerate(words)) & MASK64
+    return total - 2**64 if total >= 2**63 else total
+
+
+def test_a_checksum_is_its_reference_and_sees_any_one_flipped_bit(monkeypatch):
+    from rollout import weights
+
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(0))
+    assert int(weights.checksum(x)) == checksum_reference(x)
+    assert int(weights.checksum(x.bfloat16())) == checksum_reference(x.bfloat16())
+    monkeypatch.setitem(weights.CHECKSUM_WORDS, "cpu", 7)  # passes of any size add up to the same sum
+    assert int(weights.checksum(x)) == checksum_reference(x)
+    bits = x.view(torch.int32)
+    for index, bit in [(0, 0), (1234, 17), (2999, 31)]:
+        flipped = bits.clone()
+        flipped[index] ^= 1 << bit if bit < 31 else -(2**31)
+        assert int(weights.checksum(flipped.view(torch.float32))) != int(weights.checksum(x))
+
+
 def _generate_in_thread(worker, prompts, params):
     out = {}
     thread = threading.Thread(target=lambda: out.setdefault("batch", worker.generate(prompts, params)))

@@ -216,18 +216,9 @@ def test_a_cache_far_too_small_for_the_batch_still_returns_exact_rows(tiny, monk
         assert_exact(worker, batch, params)
 
 
-def test_a_dead_engine_is_rebuilt_and_every_row_comes_back_once(tiny, monkeypatch):
+def test_a_dead_engine_is_rebuilt_and_every_row_comes_back_once(tiny, inject_engine_fault):
     model, tok = tiny
-    original = RolloutModelRunner._forward_process_and_sample
-    calls = {"n": 0}
-
-    def flaky(self, *args):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("injected engine fault")
-        return original(self, *args)
-
-    monkeypatch.setattr(RolloutModelRunner, "_forward_process_and_sample", flaky)
+    inject_engine_fault(3)
     params = [SamplingParams(n=3, temperature=1.0, max_new_tokens=6, ignore_eos=True)] * 3
     with RolloutWorker(model, WorkerConfig(num_blocks=64), tokenizer=tok) as worker:
         batch = worker.generate(prompts_of([5, 9, 13]), params)

@@ -6,19 +6,23 @@ Owns everything that touches `transformers.generation.continuous_batching` or tr
 
 One request, hop by hop, from `RolloutWorker.generate` to its row:
 1. submit (`core.py`, `Engine.run` / `Engine._submit`): the samples of one prompt become one `RequestState` whose
-   children are the other samples; each gets a `RowSpec` (its params, its generator if seeded), and the state
-   goes on the manager's input queue.
+   children are the other samples; each gets a `RowSpec` (its params and the key of its random stream,
+   `streams.py`), and the state goes on the manager's input queue.
 2. schedule (`scheduler.py`, `RolloutScheduler`): upstream's FIFO scheduler picks prefill chunks and decodes under
    the token budget; the 1-token fork that would crash upstream becomes separate children sharing cached blocks.
 3. forward (`manager.py` runs upstream's loop on the engine thread; `attention.py` + `plan.py` are the mask-free
-   `rollout_paged` attention that reads the paged cache; `memory.py` sizes the cache for it).
-4. sample (`runner.py`, `RolloutModelRunner._forward_process_and_sample` -> `sampler.py`, `sample_rows`): per-row
-   temperature / top-k / top-p and both logprobs from the one set of logits, written where upstream reads outputs.
+   `rollout_paged` attention that reads the paged cache; `sizing.py` sizes the cache, `memory.py` patches upstream's
+   memory plan for it; `cuda.py` picks what a CUDA device turns on: flash, the decode fast path, CUDA graphs).
+4. sample (`runner.py`: the step's inputs carry each row's slot in a device table of per-request parameters,
+   `slots.py`; `RolloutModelRunner._forward_process_and_sample` -> `sampler.py`, `sample_rows`): per-row
+   temperature / top-k / top-p and both logprobs from the one set of logits, on the device, written into the step's
+   output tensor and read back with the tokens.
 5. deliver (`router.py`, `RolloutRouter` -> `Engine._on_output`): each finished request becomes a `Row`, exactly
    once, on the sample that asked for it.
 6. heal (`core.py`, `Engine._heal`): if the engine thread died or a request failed, the manager is rebuilt and
    every unfinished sample re-runs (up to `max_retries`); weight changes go through `Engine.exclusive`, which
-   drains or aborts in-flight work and forgets every prefix-cache hash.
+   drains or aborts in-flight work and forgets every prefix-cache hash. `Engine.sleep` drops the manager (cache and
+   buffers) for a trainer sharing the device; the next call builds a fresh one.
 """
 
 from .attention import (current_attn_implementation, resolve_attn_implementation,  # also registers "rollout_paged"

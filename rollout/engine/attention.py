@@ -39,6 +39,7 @@ from transformers.generation.continuous_batching.cache import PagedAttentionCach
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from . import cuda
 from .plan import Decode, Plan, SharedPrefixes, bottom_right_causal, plan_for
 
 NAME = "rollout_paged"
@@ -210,10 +211,13 @@ def set_attn_implementation(model, impl: str) -> None:
 
 
 def resolve_attn_implementation(requested: str | None, model) -> str | None:
-    """What the engine runs: "auto" is `rollout_paged` on CPU and the model's own attention elsewhere (flash or sdpa,
-    whichever it was loaded with); None keeps the model's; anything else is used as given."""
+    """What the engine runs: "auto" is `rollout_paged` on CPU, a mask-free one on CUDA (`cuda.auto_attention`: flash
+    when it imports, else `rollout_paged`), the model's own elsewhere; None keeps the model's; anything else is used as
+    given."""
     if requested != AUTO:
         return requested
+    if model.device.type == "cuda":
+        return cuda.auto_attention(model, mask_free=NAME)
     return NAME if model.device.type == "cpu" else None
 
 

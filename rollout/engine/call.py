@@ -51,6 +51,7 @@ class Call:
     samples: list[Sample] = field(default_factory=list)
     failure: str | None = None
     cancelled: bool = False
+    index: int | None = None  # the call's order on its engine: keys the random streams of its unseeded samples
     on_over: Callable[["Call"], None] | None = None
     settled: threading.Event = field(default_factory=threading.Event)
 

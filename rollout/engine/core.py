@@ -11,11 +11,15 @@ The engine knows token ids and SamplingParams, nothing about tokenizers or train
   (re-run from scratch after the switch), "recompute"s its KV under the new weights, or "keep"s it; the loop is
   paused and the prefix cache forgotten (switch.py), so no later request reads KV computed with other weights, and
   every sampled token records the version that produced it.
+- sleeps: `sleep()` waits for what is in flight, then stops and drops the manager with its KV cache and step buffers
+  (the model's weights stay); `wake()`, or the next `submit`, builds a fresh one (an empty prefix cache, so nothing
+  cached before the sleep is reused, whatever the weights did meanwhile).
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import threading
 
@@ -25,7 +29,6 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 from transformers.generation.continuous_batching.model_runner import infer_max_single_request_tokens
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestState, RequestStatus
-from transformers.generation.continuous_batching.utils import attn_mask_is_needed
 
 from ..batch import Row
 from ..config import WorkerConfig, check_in_flight
@@ -34,25 +37,36 @@ from . import memory  # noqa: F401  (patches upstream's memory plan for rollout_
 from . import switch
 from .call import Call, Sample
 from .ledger import Ledger
+from . import cuda, sizing
 from .manager import RolloutManager
 from .router import RolloutRouter
-from .runner import RolloutModelRunner
+from .runner import RolloutIOs, RolloutModelRunner, RowSlotArgs
 from .sampler import RowSpec
+from .slots import SlotTable
+from .streams import stream_key
 from .scheduler import CHILD_SEPARATOR, SCHEDULER_NAME
 from .stepper import Stepper
 
-# A seeded sample's generator is seeded with seed * SEED_STRIDE + sample index: a prime larger than any n, so the
-# samples of one seed never collide with those of another (seed s, sample i != seed s', sample i').
-SEED_STRIDE = 1_000_003
-# Turn k > 0 of a seeded episode draws from a generator whose seed is offset by k * TURN_STRIDE (a turn is a new
-# engine request; without the offset every turn would replay the first turn's random stream).
-TURN_STRIDE = 2**40
+# The first word of a random stream's key (streams.py): seeded and unseeded samples never share a stream. A stream's
+# counter is the position sampled at, so the turns of an episode (new requests, later positions) never replay it.
+SEEDED, UNSEEDED = 1, 2
+
+
+SLOTS_PER_BATCH_ROW = 4  # the slot table's first capacity, per row of a step (it grows when every slot is live)
+
+
+def release_memory() -> None:
+    """Free what a dropped manager held, now: its objects refer to each other (the runner, its slot table, the
+    manager's arguments), so only the cycle collector frees them; then hand cached device blocks back to the driver."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 class Engine:
     def __init__(self, model, config: WorkerConfig, version: int = 0) -> None:
         self.model = model
-        self.config = config
+        self.config = config.for_device(model.device)  # every size resolved (the device's defaults)
         self.version = version
         self.num_restarts = 0
         self.num_aborted = 0  # samples aborted by weight updates and re-run
@@ -69,7 +83,7 @@ class Engine:
         self.num_prompt_tokens = 0  # every engine request's prompt tokens, and those served by the prefix cache
         self.num_reused_tokens = 0
         self._stepper = Stepper(config.env_threads)
-        self._generator = torch.Generator(device=model.device).manual_seed(config.seed)
+        self._call_index = itertools.count()  # keys the random streams of a call's unseeded samples
         self._manager = self._build_manager()
         self._supervisor = threading.Thread(target=self._supervise, daemon=True, name="rollout-supervisor")
         self._supervisor.start()
@@ -77,21 +91,28 @@ class Engine:
     # ------------------------------------------------------------------ lifecycle
     def _build_manager(self) -> ContinuousBatchingManager:
         gen_config = GenerationConfig(do_sample=False, max_new_tokens=None, eos_token_id=None)
+        blocks = sizing.num_blocks(self.config, self.model)
+        graphs = cuda.captures(self.model, self.config)
         cb_config = ContinuousBatchingConfig(
-            page_size=self.config.page_size, num_blocks=self._num_blocks(),
+            page_size=self.config.page_size, num_blocks=blocks,
             max_batch_tokens=self.config.max_batch_tokens, max_requests_per_batch=self.config.max_requests_per_batch,
-            allow_block_sharing=self.config.prefix_caching, use_async_batching=False, use_cuda_graph=False,
+            allow_block_sharing=self.config.prefix_caching, use_async_batching=graphs, use_cuda_graph=graphs,
             scheduler_type=SCHEDULER_NAME, return_logprobs=True, auto_switch_to_flash=False,
-            max_blocks_per_request=0)
+            max_blocks_per_request=cuda.decode_fast_path_blocks(self.model, self.config, blocks))
+        table = SlotTable(self.model.device, SLOTS_PER_BATCH_ROW * self.config.max_requests_per_batch, self._row_spec,
+                          lambda request_id: request_id in self._pending)
         was_training = self.model.training
-        manager = RolloutManager(self.model, gen_config, cb_config)  # also accepts rollout_paged
+        manager = RolloutManager(self.model, gen_config, cb_config, RowSlotArgs(table, all_passes=graphs))
         manager.output_router = RolloutRouter(self._on_output)
         manager.batch_processor = manager._create_batch_processor()
         manager.batch_processor.scheduler.on_prefix_hit = self._on_prefix_hit
-        RolloutModelRunner.adopt(manager.batch_processor.model_runner, self._row_spec, self._record,
-                                 self._generator)
+        RolloutModelRunner.adopt(manager.batch_processor.model_runner)
+        RolloutIOs.adopt(manager.batch_processor.inputs_and_outputs, self._record)
+        table.stream = manager.batch_processor.inputs_and_outputs.compute_stream
         self.max_request_tokens = infer_max_single_request_tokens(manager.batch_processor.cache)
         self.model.train(was_training)
+        sizing.check_request_fits(self.config, self.model, manager.batch_processor.cache.num_blocks,
+                                  self.max_request_tokens)  # before the thread starts: nothing to stop
         self._start(manager)
         return manager
 
@@ -104,21 +125,45 @@ class Engine:
                                                       name="rollout-engine")
         manager._generation_thread.start()
 
-    def _num_blocks(self) -> int:
-        if self.config.num_blocks is not None:
-            return self.config.num_blocks
-        text = self.model.config.get_text_config()
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        bytes_per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * self.model.dtype.itemsize
-        by_memory = self.config.kv_cache_memory_mb * 2**20 // (bytes_per_token * self.config.page_size)
-        if not attn_mask_is_needed(self.model.config):  # no dense mask to bound: the memory budget alone sizes it
-            return max(4, by_memory)
-        return max(4, min(by_memory, self.config.max_cache_tokens // self.config.page_size))
-
     def is_alive(self) -> bool:
+        """The engine thread runs and has not failed (False while asleep: there is no thread)."""
+        if self._manager is None:
+            return False
         status = self._manager.background_thread_status
         return self._manager.is_running() and status.fatal_error is None
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._manager is None and not self._closed
+
+    def sleep(self) -> None:
+        """Wait for in-flight work, then stop the manager and drop it: its KV cache, step buffers and CUDA graphs are
+        freed (returned to the device with `empty_cache`); the model's weights stay. A no-op when asleep."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._updating)
+            self._updating = True
+        try:
+            self._drain()
+            with self._cond:
+                manager, self._manager = self._manager, None
+            if manager is not None:
+                manager.stop(block=True, timeout=30)  # joins the thread, drops the batch processor
+                del manager
+                release_memory()
+        finally:
+            with self._cond:
+                self._updating = False
+                self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Build a fresh manager (cache and buffers re-allocated, sized again) if asleep; a no-op otherwise."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._updating)
+            self._wake_locked()
+
+    def _wake_locked(self) -> None:
+        if self._manager is None and not self._closed:
+            self._manager = self._build_manager()
 
     def close(self) -> None:
         with self._cond:
@@ -153,13 +198,13 @@ class Engine:
         return spec
 
     def _make_row_spec(self, sample: Sample) -> RowSpec:
+        """A seeded sample's stream is keyed on (seed, sample index), an unseeded one's on (worker seed, call order,
+        prompt index, sample index): the tokens depend on nothing else (batch, timing, preemption, restarts)."""
         seed = sample.params.seed
-        if seed is None:
-            return RowSpec(sample.params)
-        turn = 0 if sample.episode is None else sample.episode.num_turns
-        gen = torch.Generator(device=self.model.device).manual_seed(seed * SEED_STRIDE + sample.sample_index
-                                                                    + turn * TURN_STRIDE)
-        return RowSpec(sample.params, gen)
+        if seed is not None:
+            return RowSpec(sample.params, stream_key(SEEDED, seed, sample.sample_index))
+        return RowSpec(sample.params, stream_key(UNSEEDED, self.config.seed, sample.call.index, sample.prompt_index,
+                                                 sample.sample_index))
 
     def _record(self, request_ids: list[str], values: list[float]) -> None:
         # the version changes only inside a pause of the loop, so it is the one whose weights ran this step
@@ -242,6 +287,9 @@ class Engine:
         the supervisor thread once it is over (`call.settled`)."""
         with self._cond:
             self._cond.wait_for(lambda: not self._updating)
+            self._wake_locked()  # a sleeping engine wakes for work
+            if call.index is None:
+                call.index = next(self._call_index)
             self._calls.append(call)
             for group in samples_by_prompt:
                 self._submit(group)
@@ -299,7 +347,7 @@ class Engine:
     def _heal(self) -> None:
         """If the engine died or requests failed, rebuild it and re-run the lost samples, each on its own."""
         with self._cond:
-            if self._manager is None:
+            if self._manager is None:  # asleep or closed: nothing in flight
                 return
             dead = not self.is_alive()
             if not dead and not self._rerun:
@@ -355,13 +403,14 @@ class Engine:
             elif mode == "abort":
                 aborted = self._abort_in_flight()
             with self._cond:
-                if not self.is_alive():
+                if self._manager is not None and not self.is_alive():
                     self._restart()
-            with self._manager.pause():
+            # asleep: no loop to pause and no cached KV to forget (waking builds an empty cache)
+            with self._manager.pause() if self._manager is not None else contextlib.nullcontext():
                 yield
-                if mode == "recompute":
+                if self._manager is not None and mode == "recompute":
                     self.num_recomputed += switch.recompute_in_flight(self._manager)
-                if invalidate:
+                if self._manager is not None and invalidate:
                     switch.forget_prefix_cache(self._manager)
         finally:
             with self._cond:

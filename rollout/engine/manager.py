@@ -1,15 +1,20 @@
 """RolloutManager: transformers' ContinuousBatchingManager, accepting `rollout_paged` (upstream accepts only sdpa,
-paged|eager and flash), and marking its loop thread so that the model's mask creation is skipped there (see
-`attention.engine_mask`)."""
+paged|eager and flash), carrying the rows' slots in place of its logits processors (runner.RowSlotArgs), and marking
+its loop thread so that the model's mask creation is skipped there (see `attention.engine_mask`)."""
 
 from __future__ import annotations
 
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 
 from .attention import ENGINE_THREAD, NAME
+from .runner import RowSlotArgs
 
 
 class RolloutManager(ContinuousBatchingManager):
+    def __init__(self, model, generation_config, continuous_batching_config, row_slots: RowSlotArgs) -> None:
+        super().__init__(model, generation_config, continuous_batching_config)
+        self.logit_processor = row_slots  # every batch processor built from here on carries the rows' slots
+
     def switch_to_cb_friendly_attn(self, model, auto_switch_to_flash: bool = True) -> None:
         if model.config._attn_implementation == NAME:
             return

@@ -1,8 +1,18 @@
-"""RolloutModelRunner: replaces the engine's logits processing and sampling with `sampler.sample_rows`, so every row
-gets its own temperature / top-k / top-p (greedy rows next to sampled ones, temperature 0 and top_k above the
-vocabulary included, none of which the engine survives on its own) and both logprobs come from the one pass.
+"""The hooks into transformers' model runner and its step inputs and outputs, so every row gets its own temperature /
+top-k / top-p (greedy rows next to sampled ones, temperature 0 and top_k above the vocabulary included, none of which
+the engine survives on its own) and both logprobs come from the one pass:
 
-Pinned by tests/test_upstream_contract.py (the `_forward_process_and_sample` signature, the `output_ids` layout).
+- `RowSlotArgs` stands where upstream's per-request logits processors are, to own one int32 line of the step's bulk
+  input tensor: while the step's inputs are prepared, each sampling row's slot in the `SlotTable` (slots.py) is
+  written there, and travels to the device with the other inputs.
+- `RolloutModelRunner._forward_process_and_sample`: the forward, then `sampler.sample_rows` on the rows' parameters
+  (gathered from the table by slot) and random counters (their positions); it writes the token, its full-vocabulary
+  logprob and its sampling logprob into three rows of the step's output tensor. Device work only, nothing read back:
+  the step can run ahead of the host (async batching) and be captured (CUDA graphs).
+- `RolloutIOs`: the output tensor gets its third row; where the engine reads tokens and logprobs back after the step
+  (`prepare_batch_update`), the sampling logprobs come back with them, in the same read, to `record`.
+
+Pinned by tests/test_upstream_contract.py (the hooked signatures, the output and bulk-input layouts).
 """
 
 from __future__ import annotations
@@ -10,39 +20,108 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessorList
+from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
 from transformers.generation.continuous_batching.model_runner import ModelRunner
+from transformers.generation.continuous_batching.requests import RequestStatus
+from transformers.generation.continuous_batching.utils import CudaGraphBuffer
+from transformers.generation.logits_process import LogitsProcessorList
 
-from .sampler import RowSpec, sample_rows
+from .sampler import ALL, sample_rows
+from .slots import SlotTable
+
+OUTPUT_ROWS = 3  # output_ids: tokens, logprobs (fp32 bits), sampling logprobs (fp32 bits)
+# states whose token the engine drops at update (async batching: finished or preempted after the step was scheduled)
+DROPPED = (RequestStatus.FINISHED, RequestStatus.PENDING)
+
+
+class RowSlotArgs(ContinuousBatchingLogitsProcessorList):
+    """No logits processing (the runner samples); one argument line: the slot of each row that samples."""
+
+    def __init__(self, table: SlotTable, all_passes: bool) -> None:
+        super().__init__(LogitsProcessorList())
+        self.tensors_required = 1
+        self.table = table
+        self.all_passes = all_passes  # a captured step replays one path: it must be the full one
+        self.passes = ALL  # this step's sampler passes, read by the runner's forward
+
+    def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
+        int32_tensor.fill_(0)  # the table's default row
+
+    def prepare_tensor_args(self, requests_in_batch, arg_storage: torch.Tensor) -> torch.Tensor:
+        slots = self.table.slots(fs.state.request_id for fs in requests_in_batch if fs.has_new_token)
+        self.passes = ALL if self.all_passes else self.table.passes(slots)
+        if slots:  # rows past these keep older (valid) slots: their samples are never read
+            arg_storage[0, : len(slots)] = torch.tensor(slots, dtype=torch.int32).to(arg_storage.device)
+        return arg_storage
 
 
 class RolloutModelRunner(ModelRunner):
-    """Forward, then our own per-row sampling. Writes tokens and full-vocabulary logprobs where the engine reads
-    them, and hands each row's sampling logprob to `record(request_id, value)`."""
+    """Forward, then our own per-row sampling, written where the engine reads outputs."""
 
-    row_spec: Callable[[str], RowSpec]
-    record: Callable[[list[str], list[float]], None]
-    generator: torch.Generator | None
+    logit_processor: RowSlotArgs
 
     @classmethod
-    def adopt(cls, runner: ModelRunner, row_spec, record, generator) -> "RolloutModelRunner":
+    def adopt(cls, runner: ModelRunner) -> "RolloutModelRunner":
         runner.__class__ = cls
-        runner.row_spec, runner.record, runner.generator = row_spec, record, generator
+        runner.logit_processor.table.on_grow = runner.drop_graphs
         return runner  # type: ignore[return-value]
 
     def _forward_process_and_sample(self, model, batch_data, carry_over_ids, prev_output_ids, output_ids) -> None:
         self.inputs_and_outputs.carry_over_tokens(batch_data["input_ids"], carry_over_ids, prev_output_ids)
         logits = model(**batch_data).logits  # [1, num_tokens or num_logits, V]
+        indices = batch_data["logits_indices"]  # [num_sequences]: the rows that sample a token come first
         if "logits_to_keep" not in batch_data:
-            logits = logits[:, batch_data["logits_indices"], :]
-        # logits_indices has one slot per sequence; the first len(ids) hold the rows that predict a new token
-        ids = [fs.state.request_id for fs in self.inputs_and_outputs.requests_in_batch if fs.has_new_token]
-        if len(ids) > logits.shape[1]:
-            raise RuntimeError(f"rollout: {logits.shape[1]} logits rows for {len(ids)} requests (upstream changed?)")
-        if not ids:
-            return
-        logits = logits[0, : len(ids)].float()  # [num_new_tokens, V]
-        tokens, logprobs, sampling = sample_rows(logits, [self.row_spec(i) for i in ids], self.generator)
+            logits = logits[:, indices, :]
+        logits = logits[0].float()  # [num_sequences, V]
+        args = self.logit_processor
+        rows = args.table.rows(batch_data["logits_processor_args"][0, : logits.shape[0]])
+        positions = batch_data["position_ids"][0].index_select(0, indices.long()).long()  # of each row's last token
+        tokens, logprobs, sampling = sample_rows(logits, rows, positions, args.passes)
         count = tokens.size(0)
         output_ids[0, :count].copy_(tokens)
-        output_ids[1, :count].copy_(logprobs.float().view(dtype=torch.int32))
-        self.record(ids, sampling.tolist())
+        output_ids[1, :count].copy_(logprobs.view(dtype=torch.int32))
+        output_ids[2, :count].copy_(sampling.view(dtype=torch.int32))
+
+    def drop_graphs(self) -> None:
+        """Forget captured CUDA graphs (they read tensors that were just replaced); they are captured again."""
+        for io in _all_ios(self.inputs_and_outputs):
+            io.graphs = CudaGraphBuffer()
+
+
+class RolloutIOs(ContinuousBatchingIOs):
+    """Step inputs and outputs with a third output row, read back with the other two."""
+
+    record: Callable[[list[str], list[float]], None]
+
+    @classmethod
+    def adopt(cls, ios, record: Callable[[list[str], list[float]], None]) -> None:
+        """Every ContinuousBatchingIOs of a batch processor: its one, or the host and device halves of both async
+        pairs. Before any step: no captured graph holds the old output tensor."""
+        for io in _all_ios(ios, hosts=True):
+            io.__class__ = cls
+            io.record = record
+            old = io.output_ids
+            io.output_ids = torch.zeros((OUTPUT_ROWS, old.shape[1]), dtype=old.dtype, device=old.device,
+                                        pin_memory=old.is_pinned())
+
+    def prepare_batch_update(self):
+        count = self.num_request_in_batch
+        outputs = self.output_ids[:, :count].cpu()  # the step's one read-back (a no-op copy on CPU)
+        sampling = outputs[2].view(dtype=torch.float32).tolist()
+        ids, values, row = [], [], 0
+        for future in self.requests_in_batch:  # sampling rows are the new-token requests, in order
+            if future.has_new_token:
+                if future.state.status not in DROPPED:
+                    ids.append(future.state.request_id)
+                    values.append(sampling[row])
+                row += 1
+        self.record(ids, values)
+        return self.requests_in_batch, outputs[0].tolist(), outputs[1].view(dtype=torch.float32).tolist()
+
+
+def _all_ios(ios, hosts: bool = False) -> list[ContinuousBatchingIOs]:
+    """The ContinuousBatchingIOs inside a sync IOs (itself) or an async one (device halves; host halves too)."""
+    if isinstance(ios, ContinuousBatchingIOs):
+        return [ios]
+    return [io for pair in ios.io_pairs for io in ((pair.host_io, pair.device_io) if hosts else (pair.device_io,))]

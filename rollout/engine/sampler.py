@@ -1,11 +1,18 @@
-"""Per-row sampling with both logprobs from one set of logits.
+"""Per-row sampling with both logprobs from one set of logits, in one branch-free device path.
 
-Given fp32 logits (N, V) and one SamplingParams per row, pick each row's token and return two logprobs of it:
+Given fp32 logits (N, V) and each row's parameters as device tensors (`SamplingRows`), pick each row's token and
+return two logprobs of it:
 - `logprob`: under log_softmax(logits / T) over the full vocabulary (T = 1 for greedy rows): what a trainer's plain
   forward recomputes;
 - `sampling_logprob`: under the distribution actually sampled from (temperature, then top-k, then top-p on the
   renormalised top-k distribution; greedy rows are a point mass, so 0.0).
-The engine knows nothing about this module's maths beyond calling `sample_rows`.
+Rows differ by data, never by control flow: every row is scaled, drawn from and argmax-ed, and `torch.where` keeps
+what its parameters ask for. Which full-vocabulary passes a step pays for is the caller's static choice (`Passes`,
+from the step's parameters on the host: a step with no truncating row skips the sort, one at temperature 1 the
+division, one without greedy rows the argmax); the passes change the cost, never a row's token (every draw is an
+inverse CDF in vocabulary order). A captured step runs them all. Randomness is counter-based
+(streams.py): a row's uniform is a hash of its key and the position it samples at. No host synchronisation, no
+generator state, nothing shaped by the data: the path can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -15,14 +22,59 @@ from dataclasses import dataclass
 import torch
 
 from ..params import SamplingParams
+from .streams import uniforms
 
 
-@dataclass
+@dataclass(frozen=True)
 class RowSpec:
-    """What one row needs to be sampled: its params and, for seeded requests, its own generator."""
+    """What one request is sampled with, on the host: its params and the key of its random stream (streams.py)."""
 
     params: SamplingParams
-    generator: torch.Generator | None = None
+    key: int = 0
+
+    @property
+    def passes(self) -> "Passes":
+        """The optional passes this row needs."""
+        p = self.params
+        return Passes(scale=not p.is_greedy and p.temperature != 1, argmax=p.is_greedy,
+                      truncate=not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0))
+
+
+@dataclass(frozen=True)
+class SamplingRows:
+    """The parameters of a step's rows as device tensors, one entry per row ([N] each)."""
+
+    temperature: torch.Tensor  # float32; 1.0 on greedy rows (their logprobs are of the raw softmax)
+    top_k: torch.Tensor  # int64; 0 disables
+    top_p: torch.Tensor  # float32; 1.0 disables
+    greedy: torch.Tensor  # bool
+    key: torch.Tensor  # int64
+
+    @classmethod
+    def of(cls, specs: list[RowSpec], device: torch.device | str = "cpu") -> "SamplingRows":
+        greedy = [s.params.is_greedy for s in specs]
+        return cls(temperature=torch.tensor([1.0 if g else float(s.params.temperature) for s, g in zip(specs, greedy)],
+                                            dtype=torch.float32, device=device),
+                   top_k=torch.tensor([s.params.top_k for s in specs], dtype=torch.int64, device=device),
+                   top_p=torch.tensor([float(s.params.top_p) for s in specs], dtype=torch.float32, device=device),
+                   greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+                   key=torch.tensor([s.key for s in specs], dtype=torch.int64, device=device))
+
+
+@dataclass(frozen=True)
+class Passes:
+    """The optional full-vocabulary passes of one step: each is needed only when some row of the step asks for it."""
+
+    scale: bool = True  # a row with a temperature other than 1
+    truncate: bool = True  # a row with top-k or top-p
+    argmax: bool = True  # a greedy row
+
+
+    def __or__(self, other: "Passes") -> "Passes":
+        return Passes(self.scale or other.scale, self.truncate or other.truncate, self.argmax or other.argmax)
+
+
+ALL, NONE = Passes(), Passes(scale=False, truncate=False, argmax=False)
 
 
 def truncation_mask(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -41,73 +93,42 @@ def truncation_mask(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: tor
     return removed
 
 
-def sample_rows(logits: torch.Tensor, rows: list[RowSpec], generator: torch.Generator | None
+def sample_rows(logits: torch.Tensor, rows: SamplingRows, positions: torch.Tensor, passes: Passes = ALL
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sample one token per row. logits: (N, V) fp32. Returns (tokens (N,) int64, logprobs (N,), sampling (N,)).
+    """Sample one token per row. logits: (N, V) fp32, not modified; positions: (N,) int64, the position each row
+    samples at (its random counter). Returns (tokens (N,) int64, logprobs (N,) fp32, sampling logprobs (N,) fp32).
 
-    Full-vocabulary passes are what a step pays for here, so the common cases skip the ones they do not need: no
-    division when every temperature is 1, one log-softmax shared by both logprobs when nothing is truncated, an argmax
-    only over greedy rows."""
-    device = logits.device
-    temps = [1.0 if r.params.is_greedy else float(r.params.temperature) for r in rows]
-    scaled = logits if all(t == 1.0 for t in temps) else \
-        logits / torch.tensor(temps, device=device, dtype=torch.float32)[:, None]
+    `passes` may leave out a pass no row needs (see Passes); leaving out one a row needs samples that row wrongly."""
+    scaled = logits / rows.temperature[:, None] if passes.scale else logits
     full_logprobs = torch.log_softmax(scaled, dim=-1)  # (N, V)
-    greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
-    sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-    tokens = torch.empty(len(rows), dtype=torch.long, device=device)
-    sampling = torch.zeros(len(rows), dtype=torch.float32, device=device)  # greedy rows: a point mass
-    if greedy:
-        _assign(tokens, greedy, _subset(scaled, greedy).argmax(dim=-1))
-    if sampled:
-        tok, lp = _sample_subset(_subset(scaled, sampled), _subset(full_logprobs, sampled),
-                                 [rows[i] for i in sampled], generator)
-        _assign(tokens, sampled, tok)
-        _assign(sampling, sampled, lp)
-    logprobs = full_logprobs.gather(1, tokens[:, None]).squeeze(1)
-    return tokens, logprobs, sampling
-
-
-def _subset(x: torch.Tensor, index: list[int]) -> torch.Tensor:
-    return x if len(index) == x.shape[0] else x[torch.tensor(index, device=x.device)]
-
-
-def _assign(x: torch.Tensor, index: list[int], values: torch.Tensor) -> None:
-    if len(index) == x.shape[0]:
-        x.copy_(values)
+    greedy_tokens = scaled.argmax(dim=-1) if passes.argmax else None
+    u = uniforms(rows.key, positions)
+    # (N, V) buffers of ours are reused once read for the last time: on CPU each fresh one is page-faulted in again
+    spare = scaled if passes.scale else None
+    if passes.truncate:  # the truncated distribution, back in vocabulary order: a row that truncates nothing draws the
+        # very token it draws without this pass (the same probabilities in the same order, the same uniform)
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+        removed_sorted = truncation_mask(sorted_logits, rows.top_k, rows.top_p)
+        removed = torch.empty_like(removed_sorted).scatter_(1, order, removed_sorted)
+        kept = torch.log_softmax(scaled.masked_fill(removed, float("-inf")), dim=-1)
+        drawn = _draw(torch.exp(kept, out=sorted_logits), u)
+        drawn_logprob = kept.gather(1, drawn[:, None]).squeeze(1)
     else:
-        x[torch.tensor(index, device=x.device)] = values
-
-
-def _sample_subset(scaled: torch.Tensor, full_logprobs: torch.Tensor, rows: list[RowSpec],
-                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample rows that are not greedy. scaled: (M, V) temperature-scaled logits, full_logprobs their log-softmax.
-    Returns tokens and their logprob under the distribution sampled from (the full one when nothing is truncated:
-    the very same number as the full logprob)."""
-    device = scaled.device
-    if not any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows):
-        choice = _draw(full_logprobs.exp(), rows, generator)
-        return choice, full_logprobs.gather(1, choice[:, None]).squeeze(1)
-    top_k = torch.tensor([r.params.top_k for r in rows], device=device)
-    top_p = torch.tensor([float(r.params.top_p) for r in rows], device=device, dtype=torch.float32)
-    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
-    removed = truncation_mask(sorted_logits, top_k, top_p)
-    sampling_logprobs = torch.log_softmax(sorted_logits.masked_fill(removed, float("-inf")), dim=-1)
-    choice = _draw(sampling_logprobs.exp(), rows, generator)  # positions in sorted space
-    lp = sampling_logprobs.gather(1, choice[:, None]).squeeze(1)
-    # a row that truncates nothing reports the full logprob itself (bit-identical), as in the untruncated path
-    untruncated = torch.tensor([r.params.top_k == 0 and r.params.top_p >= 1.0 for r in rows], device=device)
-    tokens = order.gather(1, choice[:, None]).squeeze(1)
-    return tokens, torch.where(untruncated, full_logprobs.gather(1, tokens[:, None]).squeeze(1), lp)
+        drawn, drawn_logprob = _draw(torch.exp(full_logprobs, out=spare), u), None
+    tokens = drawn if greedy_tokens is None else torch.where(rows.greedy, greedy_tokens, drawn)
+    logprobs = full_logprobs.gather(1, tokens[:, None]).squeeze(1)
+    sampling = logprobs
+    if drawn_logprob is not None:  # a row that truncates nothing reports the full logprob itself (bit-identical)
+        sampling = torch.where((rows.top_k == 0) & (rows.top_p >= 1.0), logprobs, drawn_logprob)
+    return tokens, logprobs, sampling.masked_fill(rows.greedy, 0.0)  # greedy rows: a point mass
 
 
 CHUNK = 128  # tokens per block of the two-level inverse CDF
 
 
-def _draw(probs: torch.Tensor, rows: list[RowSpec], generator: torch.Generator | None) -> torch.Tensor:
-    """One exact draw per row by inverse CDF: a uniform u in [0, 1), target = u * total, and the first token whose
-    cumulative probability exceeds the target (a zero-probability token never does). Seeded rows draw their uniform
-    from their own generator, the rest from the worker's.
+def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One exact draw per row by inverse CDF: target = u * total, and the first token whose cumulative probability
+    exceeds the target (a zero-probability token never does). uniforms: float64 (N,) in [0, 1).
 
     The CDF is two-level: float32 sums of blocks of CHUNK tokens, accumulated in float64, locate the target's block,
     then that one block per row is accumulated in float64. No (N, V) float64 tensor is built (that conversion alone
@@ -115,14 +136,6 @@ def _draw(probs: torch.Tensor, rows: list[RowSpec], generator: torch.Generator |
     block's sum (~1e-7 relative), and a zero-probability token is never drawn."""
     device = probs.device
     num_rows, vocab = probs.shape
-    uniforms = torch.empty(num_rows, dtype=torch.float64, device=device)
-    shared = [i for i, r in enumerate(rows) if r.generator is None]
-    if shared:
-        uniforms[torch.tensor(shared, device=device)] = torch.rand(len(shared), generator=generator,
-                                                                   dtype=torch.float64, device=device)
-    for i, row in enumerate(rows):
-        if row.generator is not None:
-            uniforms[i] = torch.rand(1, generator=row.generator, dtype=torch.float64, device=device)[0]
     pad = -vocab % CHUNK
     blocks = torch.nn.functional.pad(probs, (0, pad)) if pad else probs
     blocks = blocks.view(num_rows, -1, CHUNK)  # (N, B, CHUNK)

@@ -16,7 +16,9 @@ from __future__ import annotations
 import dataclasses
 from concurrent.futures import CancelledError
 import os
+import signal
 import socket
+import traceback
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -49,11 +51,13 @@ class FleetActor:
         self.busy = False
         self.num_calls = 0
         self.num_rows = 0
+        self.num_fingerprints = 0
 
     def info(self) -> dict:
         return dict(pid=os.getpid(), host=socket.gethostname(), device=str(self.worker.model.device),
                     version=self.worker.policy_version, max_request_tokens=self.worker.engine.max_request_tokens,
-                    busy=self.busy, num_calls=self.num_calls, num_rows=self.num_rows,
+                    busy=self.busy, sleeping=self.worker.is_sleeping, num_calls=self.num_calls, num_rows=self.num_rows,
+                    num_fingerprints=self.num_fingerprints,
                     torch_threads=torch.get_num_threads())
 
     # ------------------------------------------------------------------ work
@@ -86,6 +90,14 @@ class FleetActor:
             self.busy = False
             self.num_calls += 1
 
+    def sleep(self) -> bool:
+        self.worker.sleep()
+        return True
+
+    def wake(self) -> bool:
+        self.worker.wake()
+        return True
+
     # ------------------------------------------------------------------ weights
     def cancel(self) -> None:
         """Cancel the generate in flight (control group: runs beside it)."""
@@ -94,10 +106,20 @@ class FleetActor:
             future.cancel()
 
     def receive(self, transport: type, payload: Any, version: int, full: bool = False, in_flight: str = "wait") -> int:
-        """One update that came through `transport` (a WeightTransport class): its tensors, applied atomically under
-        `in_flight` (a generate in flight on this actor goes on beside it)."""
-        return self.worker.update_weights(transport.receive(self, payload), version=version, full=full,
-                                          in_flight=in_flight)
+        """One update that came through `transport` (a WeightTransport class), applied under `in_flight` (a generate
+        in flight on this actor goes on beside it). A transport that streams (`transport.streamed`) yields bucket
+        after bucket, each copied in as it lands (one bucket staged; the fleet validated the whole update before
+        sending): if it stops midway this actor holds half-updated weights, so it exits at once, and the fleet
+        replaces it as it replaces any dead actor. Otherwise every tensor is staged, then applied atomically."""
+        received = transport.receive(self, payload)
+        if not getattr(transport, "streamed", False):
+            return self.worker.update_weights(received, version=version, full=full, in_flight=in_flight)
+        try:
+            return self.worker.update_weights_by_bucket(received, version=version, full=full, in_flight=in_flight)
+        except BaseException:
+            traceback.print_exc()
+            os.kill(os.getpid(), signal.SIGKILL)  # dies at once, as a dead actor the fleet knows how to replace
+            raise
 
     def connect(self, transport: type, *args: Any) -> Any:
         """The per-actor setup of `transport` (e.g. joining its process group)."""
@@ -112,7 +134,11 @@ class FleetActor:
             self.worker.refresh(version)
         return self.state()
 
-    def state(self) -> tuple[int, str]:
+    def state(self, verify: bool = True) -> tuple[int, str | None]:
+        """(version, fingerprint); the fingerprint is None unless `verify`."""
+        if not verify:
+            return self.worker.policy_version, None
+        self.num_fingerprints += 1
         return self.worker.policy_version, self.worker.weights_fingerprint()
 
     def state_dict(self) -> dict:

@@ -3,8 +3,13 @@
 The group is stateless: its own TCPStore and ProcessGroup object, never the default group, so a trainer that
 already runs DDP/FSDP keeps its own `init_process_group` untouched. Tensors travel in buckets: each bucket is one
 flat tensor of one dtype, at most `bucket_mb` (a lone bigger tensor gets a bucket of its own), so a 7B model is a
-few hundred broadcasts, not thousands. Receivers stage every bucket before anything is applied, so the update stays
-atomic (cost: one extra copy of the weights on each receiver while it lands).
+few hundred broadcasts, not thousands. Receivers take them one of two ways:
+- `receive`: every bucket staged before anything is applied, so the update stays atomic whatever arrives (cost: one
+  extra copy of the weights on each receiver while it lands);
+- `stream`: each bucket handed over as it lands, in one staging buffer per dtype reused for every bucket (cost: the
+  largest bucket, `bucket_mb`). Atomic towards rollouts (the receiver applies all buckets inside one fence) but not
+  towards failure: a sender that dies mid-stream leaves the earlier buckets applied. RolloutFleet streams, because it
+  validates the whole update before sending and replaces a receiver whose update failed midway.
 
 Backends: "nccl" (GPU tensors; each rank on its own GPU) or "gloo" (CPU tensors; how it is tested here). The fleet
 uses it through `transport.Collective`.
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +107,18 @@ class WeightGroup:
             self.group.broadcast(pack(bucket, tensors, self.device), 0).wait()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def stream(self, buckets: list[WeightBucket]) -> Iterator[dict[str, torch.Tensor]]:
+        """Ranks 1..N: the tensors of each bucket as it lands, as views of a staging buffer per dtype that the next
+        bucket overwrites: consume (copy) a bucket before asking for the next."""
+        staging: dict[torch.dtype, torch.Tensor] = {}
+        for bucket in buckets:
+            if bucket.dtype not in staging:
+                largest = max(b.numel for b in buckets if b.dtype == bucket.dtype)
+                staging[bucket.dtype] = torch.empty(largest, dtype=bucket.dtype, device=self.device)
+            flat = staging[bucket.dtype][: bucket.numel]
+            self.group.broadcast(flat, 0).wait()  # on NCCL, the current stream waits for it: later copies see it
+            yield unpack(bucket, flat)
 
     def receive(self, buckets: list[WeightBucket]) -> dict[str, torch.Tensor]:
         """Ranks 1..N: every tensor of every bucket, staged before the caller applies any."""

@@ -14,9 +14,10 @@ Contract:
   before it takes work. A call that passes `timeout` raises TimeoutError naming the actors still holding work, and
   those actors are replaced.
 - update_weights sends the tensors once through the fleet's weight transport (transport.py: the object store by
-  default, a torch.distributed group after init_weight_group); every actor applies them atomically under its fence;
-  versions and fingerprints are compared before it returns. Calls are serialised, so no row returned after
-  update_weights comes from older weights.
+  default, a torch.distributed group after init_weight_group, which actors apply bucket by bucket); every actor
+  applies them under its fence and the update's in_flight mode; versions are compared before it returns, and
+  fingerprints too (every update, or every `verify_every`-th: each costs every actor a checksum of its weights on its
+  device, rollout.weights.fingerprint).
 """
 
 from __future__ import annotations
@@ -65,8 +66,11 @@ _Actor = ray.remote(concurrency_groups={"control": 2, "weights": 1})(FleetActor)
 class RolloutFleet:
     def __init__(self, model: Any, num_workers: int = 2, config: WorkerConfig | None = None,
                  resources: FleetResources | dict | None = None, tokenizer: Any = None, chunks_per_worker: int = 1,
-                 startup_timeout_s: float = 600, ray_init: dict | None = None) -> None:
+                 startup_timeout_s: float = 600, ray_init: dict | None = None, verify_every: int = 1) -> None:
         check_int("num_workers", num_workers, 1, "use e.g. one per GPU")
+        check_int("verify_every", verify_every, 1,
+                  "use 1 to compare the actors' fingerprints after every update, k for every k-th")
+        self.verify_every, self._num_updates = verify_every, 0
         self.config = config if config is not None else WorkerConfig()
         check_int("chunks_per_worker", chunks_per_worker, 1,
                   "use 1 (default: biggest engine batches) or more to rebalance uneven actors")
@@ -189,8 +193,22 @@ class RolloutFleet:
             elif self._replay is not None:
                 self._replay.append(replay)
             self._fingerprint = None
-            self._settle()
+            self._num_updates += 1
+            self._settle(verify=self._num_updates % self.verify_every == 0)
             return new_version
+
+    def sleep(self) -> None:
+        """Every actor frees its KV cache and step buffers (after its in-flight work), as RolloutWorker.sleep; weights
+        stay. A later generate wakes each actor it uses; an actor replaced meanwhile starts awake."""
+        with self._lock:
+            self._await_starts()
+            self._on_ready(lambda actor: actor.sleep.remote())
+
+    def wake(self) -> None:
+        """Every actor re-allocates what sleep freed (RolloutWorker.wake)."""
+        with self._lock:
+            self._await_starts()
+            self._on_ready(lambda actor: actor.wake.remote())
 
     def init_weight_group(self, backend: str | None = None, timeout_s: float = 300) -> None:
         """Open a torch.distributed group (this process rank 0, actors 1..N) that later update_weights use."""
@@ -316,10 +334,11 @@ class RolloutFleet:
         return values, lost
 
     # ------------------------------------------------------------------ weights
-    def _settle(self) -> None:
-        """Ready actors must report one (version, fingerprint), at the fleet's version; then the dead are replaced
-        (checked against it) and waited for."""
-        states, _ = self._on_ready(lambda actor: actor.state.options(concurrency_group="control").remote())
+    def _settle(self, verify: bool = True) -> None:
+        """Ready actors must report one (version, fingerprint), at the fleet's version (the fingerprint only when
+        `verify`: unverified, it stays unknown until the next verified settle); then the dead are replaced (checked
+        against it when known) and waited for."""
+        states, _ = self._on_ready(lambda actor: actor.state.options(concurrency_group="control").remote(verify))
         distinct = set(states.values())
         if len(distinct) > 1 or any(version != self.version for version, _ in distinct):
             raise RuntimeError(f"actors disagree (fleet version {self.version}): {states}. Fix: call "

@@ -19,7 +19,7 @@ through the object store, so an update is never half-applied.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import ray
@@ -65,10 +65,13 @@ class WeightTransport(ABC):
         update (an object-store payload, as `ObjectStore` sends it), or None when nothing is retained. Raises
         TransportFailed when an actor may have missed it."""
 
+    streamed = False  # True: `receive` yields the update bucket by bucket (applied as it lands, see FleetActor.receive)
+
     @staticmethod
     @abstractmethod
-    def receive(actor: Any, payload: Any) -> dict[str, torch.Tensor]:
-        """In the actor: every tensor of one update, staged (the actor applies them all, or none)."""
+    def receive(actor: Any, payload: Any) -> Any:
+        """In the actor: every tensor of one update, staged (the actor applies them all, or none); or, for a
+        transport that streams, an iterator of buckets."""
 
     @staticmethod
     def connect(actor: Any, *args: Any) -> Any:
@@ -149,12 +152,14 @@ class Collective(WeightTransport):
         actor.links[Collective] = WeightGroup(backend, host, port, rank, world_size, timeout_s)
         return rank
 
+    streamed = True  # the actor copies each bucket in as it lands (one staging buffer per dtype, not a full copy)
+
     @staticmethod
-    def receive(actor: Any, payload: list) -> dict[str, torch.Tensor]:
+    def receive(actor: Any, payload: list) -> Iterator[dict[str, torch.Tensor]]:
         group = actor.links.get(Collective)
         if group is None:
             raise RuntimeError("a collective update reached an actor in no weight group (connect first)")
-        return group.receive(payload)
+        return group.stream(payload)
 
     def actor_replaced(self) -> None:
         self.stale = True

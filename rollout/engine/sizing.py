@@ -1,0 +1,68 @@
+"""How big the engine's KV cache is: from WorkerConfig's budget (MiB, or a fraction of the device memory free when the
+engine is built) to a number of blocks, and the start-up check that one request of `max_request_tokens` fits."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers.generation.continuous_batching.utils import attn_mask_is_needed
+
+from ..config import WorkerConfig
+from ..errors import invalid
+
+MIN_BLOCKS = 4
+
+
+def kv_bytes_per_token(model) -> int:
+    """K and V of one token for every layer, in the model's dtype."""
+    text = model.config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    return 2 * text.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on the device now: the CUDA driver's free memory, or the host's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil  # only here: a GPU machine's Python may lack it
+
+    return psutil.virtual_memory().available
+
+
+def kv_budget_bytes(config: WorkerConfig, device: torch.device) -> int:
+    """config must be resolved for the device (`WorkerConfig.for_device`): exactly one budget is set."""
+    if config.kv_cache_memory_mb is not None:
+        return config.kv_cache_memory_mb * 2**20
+    return int(config.kv_cache_memory_fraction * free_memory(device))
+
+
+def num_blocks(config: WorkerConfig, model) -> int:
+    """Blocks of `page_size` tokens: config.num_blocks, or what the budget holds (capped at max_cache_tokens when the
+    attention allocates a dense mask, which grows with the cache)."""
+    if config.num_blocks is not None:
+        return config.num_blocks
+    by_memory = kv_budget_bytes(config, model.device) // (kv_bytes_per_token(model) * config.page_size)
+    if not attn_mask_is_needed(model.config):  # no dense mask to bound: the memory budget alone sizes it
+        return max(MIN_BLOCKS, by_memory)
+    return max(MIN_BLOCKS, min(by_memory, config.max_cache_tokens // config.page_size))
+
+
+def check_request_fits(config: WorkerConfig, model, blocks: int, fits: int) -> None:
+    """The ValueError that says what fits, when the cache (`blocks`, holding one request of at most `fits` tokens)
+    cannot hold one request of config.max_request_tokens."""
+    wanted = config.max_request_tokens
+    if wanted is None or fits >= wanted:
+        return
+    # what the failing cache wastes per request (the allocator's spare pages) is charged to the bigger one as well
+    spare = blocks * config.page_size - fits
+    need_blocks = math.ceil((wanted + spare) / config.page_size)
+    need_mb = math.ceil(need_blocks * config.page_size * kv_bytes_per_token(model) / 2**20)
+    cap = "" if not attn_mask_is_needed(model.config) else \
+        f", and max_cache_tokens >= {need_blocks * config.page_size} (this attention sizes a dense mask by it)"
+    raise invalid("max_request_tokens", wanted,
+                  f"the KV cache ({blocks} blocks of {config.page_size} tokens, "
+                  f"{kv_bytes_per_token(model)} bytes per token) holds one request of at most {fits} tokens",
+                  f"give the cache kv_cache_memory_mb >= {need_mb} (or num_blocks >= {need_blocks}){cap}, or send "
+                  f"requests of at most {fits} tokens and set max_request_tokens <= {fits}")
