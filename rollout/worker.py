@@ -28,7 +28,7 @@ from .engine import (Call, Engine, Sample, current_attn_implementation, resolve_
                      set_attn_implementation)
 from .prompts import prepare_call
 from .params import SamplingParams
-from . import weights as weights_mod
+from . import adapters, weights as weights_mod
 
 _LIVE_WORKERS: "weakref.WeakSet[RolloutWorker]" = weakref.WeakSet()
 
@@ -52,10 +52,12 @@ class RolloutWorker:
         self._lock = threading.RLock()
         self._active_calls = 0
         self._was_training = self.model.training
+        self._merge: contextlib.ExitStack | None = None  # adapters merged for the running calls (merge_adapters)
+        self._merged: adapters.Merge | None = None  # what that merge changed
         self.engine = Engine(self.model, self.config)
         self._engine_attn = current_attn_implementation(self.model)
         self._set_attn(self._user_attn)
-        self._fingerprint_cache: tuple[int, str] | None = None
+        self._digests = weights_mod.DigestCache()  # per-tensor digests: a fingerprint re-reads only what changed
         _LIVE_WORKERS.add(self)
 
     # ------------------------------------------------------------------ properties
@@ -110,6 +112,7 @@ class RolloutWorker:
                 self._was_training = self.model.training
                 self.model.eval()
                 self._set_attn(self._engine_attn)
+                self._merge_adapters()
             self._active_calls += 1
         try:
             yield
@@ -117,17 +120,35 @@ class RolloutWorker:
             with self._lock:
                 self._active_calls -= 1
                 if self._active_calls == 0:
+                    self._unmerge_adapters()
                     self._set_attn(self._user_attn)
                     self.model.train(self._was_training)
 
     def _set_attn(self, impl: str) -> None:
         set_attn_implementation(self.model, impl)
 
+    def _merge_adapters(self) -> None:
+        if self.config.merge_adapters and self._merge is None and adapters.is_peft_model(self.model):
+            self._digests.forget(())  # a fingerprint racing the merge must not keep digests of merged bytes
+            with contextlib.ExitStack() as stack:
+                self._merged = stack.enter_context(adapters.merged(self.model))
+                self._merge = stack.pop_all()
+
+    def _unmerge_adapters(self) -> bool:
+        """Base weights back to their exact bytes; True when adapters were merged (to merge again after)."""
+        merge, self._merge, self._merged = self._merge, None, None
+        if merge is not None:
+            merge.close()
+        return merge is not None
+
     # ------------------------------------------------------------------ weights
     def refresh(self, version: int | None = None) -> int:
         """The shared model's weights changed in place: fence, forget cached KV, bump the version."""
         _check_version(version)
-        with self.engine.exclusive(abort_in_flight=self.config.in_flight == "abort"):
+        with self.engine.exclusive(abort_in_flight=self.config.in_flight == "abort"), self._lock:
+            self._digests.forget()  # the owner wrote the model in place: nothing cached is known to hold
+            if self._unmerge_adapters():  # merged mid-call: fold the new adapter values in
+                self._merge_adapters()
             return self._bump(version)
 
     def update_weights(self, weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
@@ -135,18 +156,35 @@ class RolloutWorker:
         """Copy new weights in place, atomically: every tensor is validated before any parameter changes."""
         _check_version(version)
         plan = weights_mod.plan_update(self.model, weights, full=full)
-        with self.engine.exclusive(abort_in_flight=self.config.in_flight == "abort"):
+        # the worker's lock too: the call being fenced cannot end (and unmerge) between our unmerge and re-merge
+        with self.engine.exclusive(abort_in_flight=self.config.in_flight == "abort"), self._lock:
+            remerge = self._unmerge_adapters()  # merged mid-call: the update lands on the exact base, then re-merge
             weights_mod.apply_update(plan)
+            self._digests.forget(dst for dst, _ in plan.copies)
+            if remerge:
+                self._merge_adapters()
             return self._bump(version)
 
     def _bump(self, version: int | None) -> int:
         self.engine.version = self.engine.version + 1 if version is None else version
-        self._fingerprint_cache = None
         return self.engine.version
 
     def weights_fingerprint(self) -> str:
-        """A short hash of every parameter and buffer: equal on both sides iff the weights are equal."""
-        return weights_mod.fingerprint(self.model)
+        """A short hash of every parameter and buffer: equal on both sides iff the weights are equal. Tensors not
+        written since the last call are not read again (an adapter-only update re-hashes only the adapter). While
+        adapters are merged for a call in flight, it hashes the weights as the owner knows them (`state_dict`)."""
+        with self._lock:
+            merged = self._merged
+            state = adapters.unmerged_state_dict(self.model, merged) if merged is not None else None
+        if state is not None:
+            return weights_mod.fingerprint(state)
+        return self._digests.fingerprint(self.model)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict as its owner knows it: while adapters are merged for a call in flight, the base
+        weights' bytes from before the merge (what a peer restoring from this worker must get)."""
+        with self._lock:
+            return adapters.unmerged_state_dict(self.model, self._merged)
 
     # ------------------------------------------------------------------ scoring
     def score(self, prompts, completions, temperature: float = 1.0, **kwargs) -> list[torch.Tensor]:

@@ -10,6 +10,7 @@ reward per step and per-step metrics as JSON lines, prints `reward: <first> -> <
 last 3 steps) and exits 1 if the reward did not rise by at least `--min-gain`.
 
     rollout demo --steps 40 --seed 0          # or: python -m trainers_integration.demo
+    rollout demo --lora                       # rank-8 LoRA adapters (PEFT) on a frozen base, shared in place
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ TARGET = "7"
 # the prompts of step t come from seed * PROMPT_SEED_STRIDE + t: a prime above any step count, so two seeds never
 # share a step's prompts
 PROMPT_SEED_STRIDE = 100_003
+LORA_LR = 2e-2  # adapters start at zero (LoRA's B) and are few: a larger step than full fine-tuning
 WORDS = ("the a one two three four five six seven eight nine ten plus minus what how many apple cat dog red blue "
          "green big small count add sum total number word letter sky sea tree").split()
 
@@ -42,12 +44,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the model, the prompts and the sampling")
     parser.add_argument("--out", default="runs/demo", help="run directory: the tiny model and metrics.jsonl")
     parser.add_argument("--plot", default="runs/demo_reward.png", help="PNG of reward per step ('' to skip)")
-    parser.add_argument("--lr", type=float, default=5e-3, help="AdamW learning rate (high: a tiny model)")
+    parser.add_argument("--lr", type=float, default=None, help="AdamW learning rate (high: a tiny model; default "
+                        "5e-3)")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
     parser.add_argument("--generations", type=int, default=8, help="samples per prompt (the GRPO group)")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="completion budget")
     parser.add_argument("--min-gain", type=float, default=0.3, help="exit 1 unless last - first reward >= this")
+    parser.add_argument("--lora", action="store_true", help=f"train rank-8 LoRA adapters (PEFT) on a frozen base "
+                        f"instead of every weight; lr {LORA_LR} unless --lr is given")
     args = parser.parse_args(argv)
+    if args.lr is None:
+        args.lr = LORA_LR if args.lora else 5e-3
     if args.steps < 1:
         parser.error(f"--steps={args.steps} is invalid: run at least 1 step")
     return args
@@ -104,13 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     torch.manual_seed(args.seed)
     model, tokenizer = load_tiny_model(build_tiny_model(out / "model", seed=args.seed))
+    if args.lora:  # the worker below shares the PeftModel in place: refresh() after each step, nothing moves
+        from .lora import add_lora
+
+        model = add_lora(model, rank=8, seed=args.seed)
     ref = copy.deepcopy(model).eval().requires_grad_(False)
     target_id = tokenizer.convert_tokens_to_ids(TARGET)
     config = GRPOConfig(num_generations=args.generations, max_new_tokens=args.max_new_tokens, temperature=1.0)
     print(f"demo: GRPO on a tiny {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter policy, reward = "
           f"fraction of tokens that are {TARGET!r}; {args.steps} steps x {args.prompts} prompts x "
           f"{args.generations} samples, lr {args.lr}, seed {args.seed}", flush=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     rewards = []
     with RolloutWorker(model, WorkerConfig(seed=args.seed), tokenizer=tokenizer) as worker, \
             open(out / "metrics.jsonl", "w") as log:

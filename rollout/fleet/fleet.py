@@ -36,7 +36,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("RolloutFleet needs Ray. Fix: pip install 'rollout[ray]'.") from exc
 
-from .actor import FleetActor, InMemoryModel, model_source, to_shared
+from .actor import FleetActor, InMemoryModel, model_source, to_shared, with_adapters
 from ..batch import RolloutBatch
 from .collective import WeightGroup, free_port, layout
 from ..config import WorkerConfig
@@ -44,7 +44,7 @@ from .dispatch import Dispatcher
 from ..errors import invalid
 from ..prompts import prepare_call
 from .resources import FleetResources
-from ..weights import plan_update
+from ..weights import plan_update, resolve_names
 
 MAX_START_FAILURES = 3  # consecutive failed starts of one actor before the fleet gives up
 _Actor = ray.remote(concurrency_groups={"control": 2})(FleetActor)
@@ -67,7 +67,7 @@ class RolloutFleet:
         from transformers import AutoModelForCausalLM
 
         with torch.device("meta"):  # names and shapes only: validates updates without holding weights
-            self._shapes = AutoModelForCausalLM.from_config(model_config)
+            self._shapes = with_adapters(AutoModelForCausalLM.from_config(model_config), source)
         self._state_names = set(self._shapes.state_dict())
         self.vocab_size = int(self._shapes.get_output_embeddings().weight.shape[0])
         self.max_context = getattr(model_config.get_text_config(), "max_position_embeddings", None)
@@ -132,8 +132,10 @@ class RolloutFleet:
         return [scores[j] for j in range(len(costs))]
 
     def update_weights(self, weights, version: int | None = None, full: bool = False) -> int:
-        """Validate here (as the worker does), send once, apply atomically on every actor, check they agree."""
-        items = list(weights.items()) if isinstance(weights, dict) else list(weights)
+        """Validate here (as the worker does), send once, apply atomically on every actor, check they agree.
+        A fleet built from a PEFT model takes adapter-only updates (PEFT's or the state dict's names): only the
+        adapter's tensors travel."""
+        items = list(resolve_names(self._shapes, weights))  # the state dict's names, so actors and the log agree
         plan_update(self._shapes, items, full=full)
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
             raise ValueError(f"version={version!r} is invalid: must be a non-negative int. Fix: pass e.g. the "
@@ -146,10 +148,15 @@ class RolloutFleet:
                 ref = ray.put(to_shared(items))  # one copy into shared memory; actors read it in place
                 self._on_ready(lambda actor: actor.update_weights.remote(ref, new_version, full))
             self.version = new_version
-            if ref is None or self._state_names <= {name for name, _ in items}:
+            names = frozenset(name for name, _ in items)
+            if ref is None or self._state_names <= names:
                 self._log = [ref] if ref is not None else None
-            elif self._log is not None:
-                self._log.append(ref)
+                self._log_names = [names] if ref is not None else None
+            elif self._log is not None:  # an update whose names a later one covers is dropped: repeated adapter
+                # updates keep one entry, not one per step
+                kept = [i for i, old in enumerate(self._log_names) if not old <= names]
+                self._log = [self._log[i] for i in kept] + [ref]
+                self._log_names = [self._log_names[i] for i in kept] + [names]
             self._fingerprint = None
             self._settle()
             return new_version
@@ -317,6 +324,7 @@ class RolloutFleet:
         self._cluster_cpus = ray.cluster_resources().get("CPU", 1.0)
         self._pg = self._placement_group(self.startup_timeout_s)
         self.version, self._fingerprint, self._log = 0, None, []  # _log: updates a replacement replays
+        self._log_names: list[frozenset] | None = []  # the names each retained update writes
         self._group_stale = False
         self._restarts = [0] * self.num_workers
         self._failures = [MAX_START_FAILURES - 1] * self.num_workers  # a first start that fails is final
