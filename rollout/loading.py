@@ -64,8 +64,9 @@ def load_model(model_or_path: Any, tokenizer: Any = None, dtype: torch.dtype | N
 
 def model_from_state_dict(config: Any, state_dict: dict[str, torch.Tensor], generation_config: Any = None,
                           dtype: torch.dtype | None = None, attn_implementation: str = LOADING_ATTENTION,
-                          device: torch.device | str | None = None) -> Any:
-    """A model rebuilt from its config and weights (a fleet actor's copy of a live model), under the dtype rule."""
+                          device: torch.device | str | None = None, wrap: Any = None) -> Any:
+    """A model rebuilt from its config and weights (a fleet actor's copy of a live model), under the dtype rule.
+    `wrap(model) -> model` runs before the weights load (e.g. to add the PEFT adapters the weights include)."""
     from transformers import AutoModelForCausalLM
 
     device = torch.device(device) if device is not None else default_device()
@@ -73,6 +74,8 @@ def model_from_state_dict(config: Any, state_dict: dict[str, torch.Tensor], gene
     if resolved == "auto":  # no checkpoint to read a dtype from: the weights' own
         resolved = next((t.dtype for t in state_dict.values() if t.is_floating_point()), torch.float32)
     model = AutoModelForCausalLM.from_config(config, dtype=resolved, attn_implementation=attn_implementation)
+    if wrap is not None:
+        model = wrap(model)
     model.load_state_dict(state_dict)
     if generation_config is not None:
         model.generation_config = generation_config

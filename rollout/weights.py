@@ -3,17 +3,23 @@
 `plan_update` validates every incoming tensor (known name, same shape, finite values; all names present when a
 full update is asked) before anything is touched; `apply_update` then copies in place with `param.data.copy_`, so
 tensor addresses (CUDA graphs, optimizer references, tied weights) stay valid. Names are those of
-`model.state_dict()`; tied parameters appear under each of their names and are written once. `fingerprint` hashes
-every tensor where it lives (a checksum per tensor on the device, sha256 over those on the host).
+`model.state_dict()`; tied parameters appear under each of their names and are written once. A model carrying PEFT
+adapters also takes its adapter's tensors under PEFT's own names (`get_peft_model_state_dict`, see
+rollout.adapters), so an adapter-only update is just the adapter's state dict. `fingerprint` hashes every tensor where
+it lives (a checksum per tensor on the device, sha256 over those on the host); a worker's `DigestCache` keeps the
+per-tensor checksums between calls and recomputes only those of tensors written since.
 """
 
 from __future__ import annotations
 
 import hashlib
+import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
+from . import adapters
 from .errors import check_int
 from .engine.streams import spread
 
@@ -40,15 +46,27 @@ def named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: (t.data if isinstance(t, torch.nn.Parameter) else t) for name, t in live.items()}
 
 
-def plan_update(model: torch.nn.Module, weights, full: bool = False) -> UpdatePlan:
-    targets = named_tensors(model)
-    items = weights.items() if isinstance(weights, dict) else weights
-    copies, seen = [], set()
-    for item in items:
+def resolve_names(model: torch.nn.Module, weights, targets: dict | None = None):
+    """(name, tensor) pairs with every name spelled as the model's state dict spells it (PEFT's adapter names are
+    translated, with or without PeftModel's `base_model.model.` prefix; unknown names pass through for plan_update
+    to reject). Yields lazily, so a stream stays a stream."""
+    targets = named_tensors(model) if targets is None else targets
+    aliases = None
+    for item in (weights.items() if isinstance(weights, dict) else weights):
         if not (isinstance(item, tuple) and len(item) == 2):
             raise ValueError(f"weights item {item!r:.60} is invalid: must be a (name, tensor) pair. Fix: pass a "
                              "state dict or an iterable of (name, tensor).")
         name, tensor = item
+        if name not in targets:
+            aliases = adapters.peft_names(model) if aliases is None else aliases  # built once, on the first miss
+            name = next((aliases.get(n, n) for n in adapters.spellings(name) if aliases.get(n, n) in targets), name)
+        yield name, tensor
+
+
+def plan_update(model: torch.nn.Module, weights, full: bool = False) -> UpdatePlan:
+    targets = named_tensors(model)
+    copies, seen = [], set()
+    for name, tensor in resolve_names(model, weights, targets):
         copies.append((_target(targets, name), _checked(name, tensor, targets)))
         seen.add(name)
     if full:
@@ -78,8 +96,13 @@ def apply_by_bucket(model: torch.nn.Module, buckets) -> set[str]:
 def _target(targets: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     if name not in targets:
         close = [n for n in targets if n.split(".")[-1] == str(name).split(".")[-1]][:3]
+        hint = ""
+        if "lora_" in str(name) and not any("lora_" in n for n in targets):
+            hint = ("; it names a LoRA adapter tensor but this model has no adapters: build the rollout side from "
+                    "the PEFT model (get_peft_model(...)), or send merged full weights")
         raise ValueError(f"weights[{name!r}] is invalid: the model has no tensor of that name. Fix: use the names of "
-                         f"model.state_dict(){'; similar: ' + ', '.join(close) if close else ''}.")
+                         f"model.state_dict() or, for an adapter, get_peft_model_state_dict(model)"
+                         f"{'; similar: ' + ', '.join(close) if close else ''}{hint}.")
     return targets[name]
 
 
@@ -111,17 +134,59 @@ def apply_update(plan: UpdatePlan) -> None:
         torch.cuda.synchronize()
 
 
-def fingerprint(model: torch.nn.Module) -> str:
+def fingerprint(model: torch.nn.Module | dict[str, torch.Tensor]) -> str:
     """A short hash of every state-dict tensor: sha256, on the host, over each tensor's name, dtype, shape and
     `checksum` (computed where the tensor lives). What crosses to the host is 8 bytes per tensor, not the weights;
-    the same weights give the same fingerprint on any device."""
-    items = sorted(model.state_dict().items())
-    sums = [checksum(t) for _, t in items]
-    values = torch.stack(sums).tolist() if len({s.device for s in sums}) == 1 else [int(s) for s in sums]
+    the same weights give the same fingerprint on any device. A state dict (e.g. gathered from FSDP shards) is hashed
+    as the model that holds it would be."""
+    return _fingerprint(model, {})[0]
+
+
+def _fingerprint(model, known: dict[str, tuple[int, int]]) -> tuple[str, dict[str, tuple[int, int]]]:
+    """(fingerprint, the checksums computed); `known`: name -> (data pointer, checksum) still valid."""
+    state = model if isinstance(model, dict) else model.state_dict()
+    items = sorted(state.items())
+    missing = [(name, t) for name, t in items if known.get(name, (None,))[0] != t.data_ptr()]
+    sums = [checksum(t) for _, t in missing]
+    values = (torch.stack(sums).tolist() if len({s.device for s in sums}) == 1 else [int(s) for s in sums]) \
+        if sums else []
+    fresh = {name: (t.data_ptr(), value) for (name, t), value in zip(missing, values)}
     digest = hashlib.sha256()
-    for (name, t), value in zip(items, values):
+    for name, t in items:
+        value = (fresh.get(name) or known[name])[1]
         digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|{value}".encode())
-    return digest.hexdigest()[:16]
+    return digest.hexdigest()[:16], fresh
+
+
+class DigestCache:
+    """A worker's fingerprint without re-reading unchanged weights: per-tensor checksums are kept between calls, and a
+    tensor is summed again only after a write through the worker (`forget(written)`), a `forget()` of everything
+    (the owner changed the model in place), or when it moved (its data pointer changed). After an adapter-only
+    update only the adapter is summed again. `forget(())` just fences: a fingerprint being computed concurrently
+    keeps its checksums to itself."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._digests: dict[str, tuple[int, int]] = {}
+        self._epoch = 0
+
+    def forget(self, written: Iterable[torch.Tensor] | None = None) -> None:
+        with self._lock:
+            self._epoch += 1
+            if written is None:
+                self._digests.clear()
+                return
+            pointers = {t.data_ptr() for t in written}
+            self._digests = {n: d for n, d in self._digests.items() if d[0] not in pointers}
+
+    def fingerprint(self, model: torch.nn.Module) -> str:
+        with self._lock:
+            epoch, known = self._epoch, dict(self._digests)
+        value, fresh = _fingerprint(model, known)
+        with self._lock:
+            if self._epoch == epoch:  # nothing was written meanwhile: what was summed is still what is held
+                self._digests.update(fresh)
+        return value
 
 
 # Words per pass. A GPU takes large passes (few kernel launches, 128 MiB temporaries); a CPU small ones, whose

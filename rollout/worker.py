@@ -33,7 +33,7 @@ from .config import check_in_flight
 from .env import EnvFactory, EpisodeSpec
 from .future import RolloutFuture
 from .params import SamplingParams
-from . import weights as weights_mod
+from . import adapters, weights as weights_mod
 
 _LIVE_WORKERS: "weakref.WeakSet[RolloutWorker]" = weakref.WeakSet()
 
@@ -58,12 +58,14 @@ class RolloutWorker:
         self._lock = threading.RLock()
         self._active_calls = 0
         self._was_training = self.model.training
+        self._merge: contextlib.ExitStack | None = None  # adapters merged for the running calls (merge_adapters)
+        self._merged: adapters.Merge | None = None  # what that merge changed
         try:  # a config the model cannot run with fails here: the owner's attention comes back all the same
             self.engine = Engine(self.model, self.config)
             self._engine_attn = current_attn_implementation(self.model)
         finally:
             self._set_attn(self._user_attn)
-        self._fingerprint_cache: tuple[int, str] | None = None
+        self._digests = weights_mod.DigestCache()  # per-tensor checksums: a fingerprint re-reads only what changed
         self._half_updated: str | None = None  # why a bucketed update stopped midway (see update_weights_by_bucket)
         _LIVE_WORKERS.add(self)
 
@@ -162,21 +164,38 @@ class RolloutWorker:
                 self._was_training = self.model.training
                 self.model.eval()
                 self._set_attn(self._engine_attn)
+                self._merge_adapters()
             self._active_calls += 1
 
     def _leave_generation_mode(self) -> None:
-        """Called once per call, after it is over (on the engine's supervisor thread). The owner's attention is
-        restored inside a pause of the loop, so no forward of the engine thread ever runs with it: a cancelled
-        request is dropped by the loop before its next step, and a step already under way finishes first."""
+        """Called once per call, after it is over (on the engine's supervisor thread). Merged adapters are unmerged
+        and the owner's attention restored inside a pause of the loop, so no forward of the engine thread ever runs
+        with them: a cancelled request is dropped by the loop before its next step, and a step under way finishes
+        first."""
         with self._lock:
             self._active_calls -= 1
             if self._active_calls == 0:
                 with self.engine.paused():
+                    self._unmerge_adapters()
                     self._set_attn(self._user_attn)
                     self.model.train(self._was_training)
 
     def _set_attn(self, impl: str) -> None:
         set_attn_implementation(self.model, impl)
+
+    def _merge_adapters(self) -> None:
+        if self.config.merge_adapters and self._merge is None and adapters.is_peft_model(self.model):
+            self._digests.forget(())  # a fingerprint racing the merge must not keep digests of merged bytes
+            with contextlib.ExitStack() as stack:
+                self._merged = stack.enter_context(adapters.merged(self.model))
+                self._merge = stack.pop_all()
+
+    def _unmerge_adapters(self) -> bool:
+        """Base weights back to their exact bytes; True when adapters were merged (to merge again after)."""
+        merge, self._merge, self._merged = self._merge, None, None
+        if merge is not None:
+            merge.close()
+        return merge is not None
 
     # ------------------------------------------------------------------ weights
     def refresh(self, version: int | None = None, in_flight: str | None = None) -> int:
@@ -193,17 +212,21 @@ class RolloutWorker:
         `in_flight` as in `refresh`."""
         weights_mod.check_version(version)
         plan = weights_mod.plan_update(self.model, weights, full=full)
-        with self.weight_update(version, in_flight) as bump:
+        written = [dst for dst, _ in plan.copies]
+        with self.weight_update(version, in_flight, written) as bump:
             weights_mod.apply_update(plan)
             if full:
                 self._half_updated = None
             return bump()
 
     @contextlib.contextmanager
-    def weight_update(self, version: int | None = None, in_flight: str | None = None):
+    def weight_update(self, version: int | None = None, in_flight: str | None = None,
+                      written: Iterable[torch.Tensor] | None = None):
         """Change the weights in place inside this block (e.g. a shared model's `optimizer.step()`): no forward runs
         meanwhile, what is in flight is handled by `in_flight`, and the version is bumped (to `version`, or + 1)
-        when the block ends. `as bump` gives a function that bumps early and returns the new version."""
+        when the block ends. `as bump` gives a function that bumps early and returns the new version. Adapters merged
+        for calls in flight are unmerged first (the change lands on the exact base weights) and merged again after.
+        `written`: the tensors the block writes (None: any, so every cached checksum is dropped)."""
         weights_mod.check_version(version)
         mode = self.config.in_flight if in_flight is None else in_flight
         check_in_flight(mode)
@@ -214,8 +237,15 @@ class RolloutWorker:
                 bumped.append(self._bump(version))
             return bumped[0]
 
-        with self.engine.exclusive(mode):
-            yield bump
+        # the worker's lock too: a call being fenced cannot end (and unmerge) between our unmerge and re-merge
+        with self.engine.exclusive(mode), self._lock:
+            remerge = self._unmerge_adapters()
+            try:
+                yield bump
+            finally:
+                self._digests.forget(written)
+                if remerge:
+                    self._merge_adapters()
             bump()
 
     def update_weights_by_bucket(self, buckets: Iterable, version: int | None = None, full: bool = False,
@@ -239,12 +269,24 @@ class RolloutWorker:
 
     def _bump(self, version: int | None) -> int:
         self.engine.version = self.engine.version + 1 if version is None else version
-        self._fingerprint_cache = None
         return self.engine.version
 
     def weights_fingerprint(self) -> str:
-        """A short hash of every parameter and buffer: equal on both sides iff the weights are equal."""
-        return weights_mod.fingerprint(self.model)
+        """A short hash of every parameter and buffer: equal on both sides iff the weights are equal. Tensors not
+        written since the last call are not read again (an adapter-only update re-hashes only the adapter). While
+        adapters are merged for a call in flight, it hashes the weights as the owner knows them (`state_dict`)."""
+        with self._lock:
+            merged = self._merged
+            state = adapters.unmerged_state_dict(self.model, merged) if merged is not None else None
+        if state is not None:
+            return weights_mod.fingerprint(state)
+        return self._digests.fingerprint(self.model)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict as its owner knows it: while adapters are merged for a call in flight, the base
+        weights' bytes from before the merge (what a peer restoring from this worker must get)."""
+        with self._lock:
+            return adapters.unmerged_state_dict(self.model, self._merged)
 
     # ------------------------------------------------------------------ scoring
     def score(self, prompts, completions, temperature: float = 1.0, **kwargs) -> list[torch.Tensor]:

@@ -268,3 +268,26 @@ def test_a_bad_version_is_rejected_before_any_weight_changes(worker):
     with pytest.raises(ValueError, match="version=True is invalid"):
         worker.refresh(version=True)
     assert worker.weights_fingerprint() == before and worker.policy_version == 0
+
+
+def test_a_worker_fingerprint_rehashes_only_what_was_written_tied_weights_included(tiny_tied_qwen_path, monkeypatch):
+    import rollout.weights as weights_mod
+    from rollout.weights import fingerprint
+
+    model, _ = load_tiny_model(tiny_tied_qwen_path)
+    hashed = []
+    checksum = weights_mod.checksum
+    monkeypatch.setattr(weights_mod, "checksum", lambda t: hashed.append(t.data_ptr()) or checksum(t))
+    tied = {n for n, t in model.state_dict().items() if t.data_ptr() == model.lm_head.weight.data_ptr()}
+    assert len(tied) == 2  # lm_head.weight and model.embed_tokens.weight: one storage
+    with RolloutWorker(model, WorkerConfig(num_blocks=32)) as worker:
+        worker.weights_fingerprint()
+        worker.update_weights({"lm_head.weight": torch.randn_like(model.lm_head.weight)})
+        hashed.clear()
+        value = worker.weights_fingerprint()
+        assert hashed == [model.lm_head.weight.data_ptr()] * 2  # both names of the written storage, nothing else
+        assert value == fingerprint(model)
+        with torch.no_grad():
+            model.model.norm.weight.mul_(2.0)  # the owner writes in place and says so with refresh()
+        worker.refresh()
+        assert worker.weights_fingerprint() == fingerprint(model)

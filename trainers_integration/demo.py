@@ -10,6 +10,7 @@ reward per step and per-step metrics as JSON lines, prints `reward: <first> -> <
 last tenth of the steps) and exits 1 if the reward did not rise by at least `--min-gain`.
 
     rollout demo --steps 40 --seed 0          # or: python -m trainers_integration.demo
+    rollout demo --lora                       # rank-8 LoRA adapters (PEFT) on a frozen base, shared in place
 
 With `--env recall` the policy is trained on two-turn episodes (trainers_integration/envs.py): the environment's
 observation after turn 1 holds a secret digit, and turn 2 earns the fraction of its tokens equal to it. A policy
@@ -46,6 +47,7 @@ TARGET = "7"
 # the prompts of step t come from seed * PROMPT_SEED_STRIDE + t: a prime above any step count, so two seeds never
 # share a step's prompts
 PROMPT_SEED_STRIDE = 100_003
+LORA_LR = 2e-2  # adapters start at zero (LoRA's B) and are few: a larger step than full fine-tuning
 WORDS = ("the a one two three four five six seven eight nine ten plus minus what how many apple cat dog red blue "
          "green big small count add sum total number word letter sky sea tree").split()
 
@@ -58,7 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", default="runs/demo", help="run directory: the tiny model and metrics.jsonl")
     parser.add_argument("--plot", default="runs/demo_reward.png", help="PNG of reward per step ('' to skip)")
     parser.add_argument("--lr", type=float, default=None, help="AdamW learning rate (high: a tiny model; default "
-                        "5e-3, 3e-3 with --env)")
+                        "5e-3, 3e-3 with --env, 2e-2 with --lora)")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
     parser.add_argument("--generations", type=int, default=None, help="samples per prompt (the GRPO group; default "
                         "8, 16 with --env)")
@@ -69,9 +71,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--env", choices=sorted(ENVS), default=None, help="train on multi-turn episodes of this "
                         "environment instead of the single-turn task")
     parser.add_argument("--min-gain", type=float, default=0.3, help="exit 1 unless last - first reward >= this")
+    parser.add_argument("--lora", action="store_true", help=f"train rank-8 LoRA adapters (PEFT) on a frozen base "
+                        f"instead of every weight; lr {LORA_LR} unless --lr is given")
     args = parser.parse_args(argv)
+    if args.async_rollouts and args.lora:
+        parser.error("--async with --lora is not supported: the asynchronous demo's worker loads the base checkpoint, "
+                     "without the adapters. Fix: use one of the two")
     defaults = dict(steps=300, lr=3e-3, generations=16, max_new_tokens=4) if args.env else \
-        dict(steps=40, lr=5e-3, generations=8, max_new_tokens=16)
+        dict(steps=40, lr=LORA_LR if args.lora else 5e-3, generations=8, max_new_tokens=16)
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -134,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     torch.manual_seed(args.seed)
     model, tokenizer = load_tiny_model(build_tiny_model(out / "model", seed=args.seed))
+    if args.lora:  # the worker below shares the PeftModel in place: refresh() after each step, nothing moves
+        from .lora import add_lora
+
+        model = add_lora(model, rank=8, seed=args.seed)
     ref = copy.deepcopy(model).eval().requires_grad_(False)
     config = GRPOConfig(num_generations=args.generations, max_new_tokens=args.max_new_tokens, temperature=1.0,
                         async_rollouts=args.async_rollouts, tis_cap=2.0 if args.async_rollouts else None)
@@ -146,10 +157,12 @@ def main(argv: list[str] | None = None) -> int:
         task = f"reward = fraction of tokens that are {TARGET!r}"
     if args.async_rollouts:
         task += "; asynchronous rollouts (max staleness 1)"
+    if args.lora:
+        task += "; rank-8 LoRA adapters on a frozen base"
     print(f"demo: GRPO on a tiny {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter policy, {task}; "
           f"{args.steps} steps x {args.prompts} prompts x {args.generations} samples, lr {args.lr}, seed {args.seed}",
           flush=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     rewards = []
     source = out / "model" if args.async_rollouts else model  # async: the worker holds its own copy
     with RolloutWorker(source, WorkerConfig(seed=args.seed), tokenizer=tokenizer) as worker, \

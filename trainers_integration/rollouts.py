@@ -3,7 +3,9 @@
 `rollouts` is a `rollout.Rollouts`: a `RolloutWorker` (sharing the policy in place, or holding its own copy) or a
 `RolloutFleet`. A worker whose `.model` *is* the policy shares its parameters: after `optimizer.step()`
 it only needs `refresh()` (a fence, prefix-cache invalidation and a version bump; no copy). Anything else receives
-the policy's state dict.
+the policy's state dict; for a PEFT policy, only its adapter (`get_peft_model_state_dict`: the rollout side holds
+the same PeftModel). The policy may be wrapped (DDP's `.module`); a rollouts object with its own
+`push_policy(model, version)` (trainers_integration.distributed) moves the weights itself.
 """
 
 from __future__ import annotations
@@ -14,13 +16,36 @@ from typing import Any
 
 import torch
 
-from rollout import EpisodeSpec, RolloutBatch, Rollouts
+from rollout import EpisodeSpec, RolloutBatch, Rollouts, adapters
 from rollout.loading import pad_token_id as tokenizer_pad_id
 
 
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The model under DDP-style wrappers (`.module`, as accelerate's `unwrap_model` strips them)."""
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model
+
+
 def shares_model(rollouts: Rollouts, model: torch.nn.Module) -> bool:
-    """True when `rollouts` generates with `model`'s own parameters (an in-place RolloutWorker)."""
-    return getattr(rollouts, "model", None) is model
+    """True when `rollouts` generates with `model`'s own parameters (an in-place RolloutWorker): the worker holds the
+    policy itself, under any wrapper, or the base model a PEFT policy wraps (adapters injected in place)."""
+    held = getattr(rollouts, "model", None)
+    if held is None:
+        return False
+    model = unwrapped(model)
+    return held is model or (adapters.is_peft_model(model) and held is model.get_base_model())
+
+
+def policy_weights(model: torch.nn.Module, state_dict: dict[str, torch.Tensor] | None = None
+                   ) -> dict[str, torch.Tensor]:
+    """What the rollout side needs after a step: the state dict, or only the adapter of a PEFT policy (its base is
+    frozen). `state_dict`: the policy's full state dict when it was gathered elsewhere (FSDP)."""
+    model = unwrapped(model)
+    if adapters.is_peft_model(model):
+        return adapters.adapter_state_dict(model, state_dict)
+    state = state_dict if state_dict is not None else model.state_dict()
+    return {name: tensor.detach() for name, tensor in state.items()}
 
 
 def push_weights(rollouts: Rollouts, model: torch.nn.Module, version: int, in_flight: str | None = None) -> float:
@@ -28,11 +53,12 @@ def push_weights(rollouts: Rollouts, model: torch.nn.Module, version: int, in_fl
     `in_flight`: what happens to calls in flight (None: the rollout side's default)."""
     start = time.perf_counter()
     extra = {} if in_flight is None else {"in_flight": in_flight}
-    if shares_model(rollouts, model):
+    if hasattr(rollouts, "push_policy"):
+        rollouts.push_policy(model, version, **extra)
+    elif shares_model(rollouts, model):
         rollouts.refresh(version, **extra)
     else:
-        state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
-        rollouts.update_weights(state, version=version, **extra)
+        rollouts.update_weights(policy_weights(model), version=version, **extra)
     return time.perf_counter() - start
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .. import adapters
 from ..config import WorkerConfig
 from ..env import EpisodeSpec
 from ..loading import checkpoint_dir, load_tokenizer, model_from_state_dict
@@ -34,11 +35,29 @@ from ..worker import RolloutWorker
 @dataclass(frozen=True)
 class InMemoryModel:
     """A model that exists only in memory, shipped as (config, state dict as `to_shared` makes it, generation
-    config)."""
+    config); for a PEFT model also its adapters' configs (name -> PeftConfig) and the active adapter, so the actor
+    rebuilds the same PeftModel and takes adapter-only updates."""
 
     config: Any
     state_dict: dict
     generation_config: Any = None
+    peft_config: dict | None = None
+    active_adapter: str | None = None
+
+
+def with_adapters(model: Any, source: Any) -> Any:
+    """The base model wrapped with the source's PEFT adapters (as `get_peft_model` wraps it); unchanged without."""
+    peft_config = getattr(source, "peft_config", None)
+    if not peft_config:
+        return model
+    from peft import get_peft_model
+
+    names = list(peft_config)
+    model = get_peft_model(model, peft_config[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.add_adapter(name, peft_config[name])
+    model.set_adapter(source.active_adapter or names[0])
+    return model
 
 
 class FleetActor:
@@ -142,7 +161,7 @@ class FleetActor:
         return self.worker.policy_version, self.worker.weights_fingerprint()
 
     def state_dict(self) -> dict:
-        return to_shared(self.worker.model.state_dict().items())
+        return to_shared(self.worker.state_dict().items())  # never merged adapters: a restored peer gets the base
 
     def close(self) -> None:
         self.links.clear()
@@ -197,7 +216,8 @@ def _model(source: Any) -> Any:
         return source
     weights = from_shared(source.state_dict)
     dtype = next((t.dtype for t in weights.values() if t.is_floating_point()), torch.float32)
-    return model_from_state_dict(source.config, weights, source.generation_config, dtype=dtype)
+    return model_from_state_dict(source.config, weights, source.generation_config, dtype=dtype,
+                                 wrap=lambda model: with_adapters(model, source))
 
 
 def model_source(model: Any, tokenizer: Any) -> tuple[Any, Any, Any]:
@@ -210,7 +230,9 @@ def model_source(model: Any, tokenizer: Any) -> tuple[Any, Any, Any]:
         source = InMemoryModel(config, to_shared(state_dict.items()), GenerationConfig.from_model_config(config))
         return source, config, tokenizer
     if hasattr(model, "forward"):
-        source = InMemoryModel(model.config, to_shared(model.state_dict().items()), model.generation_config)
+        peft_config = dict(model.peft_config) if adapters.is_peft_model(model) else None
+        source = InMemoryModel(model.config, to_shared(model.state_dict().items()), model.generation_config,
+                               peft_config, adapters.active_adapter(model) if peft_config else None)
         return source, model.config, tokenizer
     path = checkpoint_dir(model, "model", "a model object, (config, state_dict)")  # multi-node: a path all nodes see
     from transformers import AutoConfig

@@ -39,7 +39,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("RolloutFleet needs Ray. Fix: pip install 'rollout[ray]'.") from exc
 
-from .actor import FleetActor, InMemoryModel, model_source
+from .actor import FleetActor, InMemoryModel, model_source, with_adapters
 from ..batch import RolloutBatch
 from ..config import WorkerConfig
 from .dispatch import Dispatcher
@@ -50,7 +50,7 @@ from ..loading import pad_token_id
 from ..prompts import prepare_call
 from .resources import FleetResources
 from .transport import Collective, ObjectStore, TransportFailed, WeightTransport
-from ..weights import check_version, plan_update
+from ..weights import check_version, plan_update, resolve_names
 
 POLL_S = 0.1  # how often a call waiting for actors checks for cancellation
 MAX_START_FAILURES = 3  # consecutive failed starts of one actor before the fleet gives up
@@ -81,7 +81,7 @@ class RolloutFleet:
         from transformers import AutoModelForCausalLM
 
         with torch.device("meta"):  # names and shapes only: validates updates without holding weights
-            self._shapes = AutoModelForCausalLM.from_config(model_config)
+            self._shapes = with_adapters(AutoModelForCausalLM.from_config(model_config), source)
         self._state_names = set(self._shapes.state_dict())
         self.vocab_size = int(self._shapes.get_output_embeddings().weight.shape[0])
         self.max_context = getattr(model_config.get_text_config(), "max_position_embeddings", None)
@@ -173,11 +173,12 @@ class RolloutFleet:
         """Validate here (as the worker does), send once, apply atomically on every actor, check they agree.
         A generate in flight goes on: each actor applies the update under `in_flight` (default
         `config.in_flight`: "wait", "abort", "recompute" or "keep"; docs/async.md). Updates are applied in the same
-        order on every actor, one at a time."""
+        order on every actor, one at a time. A fleet built from a PEFT model takes adapter-only updates (PEFT's or
+        the state dict's names): only the adapter's tensors travel."""
         mode = self.config.in_flight if in_flight is None else in_flight
         check_in_flight(mode)
         check_version(version)
-        items = list(weights.items()) if isinstance(weights, dict) else list(weights)
+        items = list(resolve_names(self._shapes, weights))  # the state dict's names, so actors and the replay agree
         plan_update(self._shapes, items, full=full)
         with self._lock:
             new_version = self.version + 1 if version is None else version
@@ -188,10 +189,15 @@ class RolloutFleet:
             except TransportFailed:  # someone may have missed it: everyone gets it again through the object store
                 replay = ObjectStore().send(pool, items, new_version, full, mode)
             self.version = new_version
-            if replay is None or self._state_names <= {name for name, _ in items}:  # a full update replaces the
-                self._replay = [replay] if replay is not None else None  # history; one not retained ends it
-            elif self._replay is not None:
-                self._replay.append(replay)
+            names = frozenset(name for name, _ in items)
+            if replay is None or self._state_names <= names:  # a full update replaces the history; one not
+                self._replay = [replay] if replay is not None else None  # retained ends it
+                self._replay_names = [names] if replay is not None else None
+            elif self._replay is not None:  # an update whose names a later one covers is dropped: repeated adapter
+                # updates keep one entry, not one per step
+                kept = [i for i, old in enumerate(self._replay_names) if not old <= names]
+                self._replay = [self._replay[i] for i in kept] + [replay]
+                self._replay_names = [self._replay_names[i] for i in kept] + [names]
             self._fingerprint = None
             self._num_updates += 1
             self._settle(verify=self._num_updates % self.verify_every == 0)
@@ -357,6 +363,7 @@ class RolloutFleet:
         self._pg = self._placement_group(self.startup_timeout_s)
         self.version, self._fingerprint = 0, None
         self._replay: list | None = []  # updates a replacement replays, in order; None: the last one was not retained
+        self._replay_names: list[frozenset] | None = []  # the names each retained update writes
         self._restarts = [0] * self.num_workers
         self._failures = [MAX_START_FAILURES - 1] * self.num_workers  # a first start that fails is final
         self._info: list[dict] = [{} for _ in range(self.num_workers)]
