@@ -1,6 +1,6 @@
 """Asynchronous GRPO against the synchronous loop: trainer on one core, rollouts on the other (one fleet actor).
 
-    python benchmarks/bench_async.py                 # two workloads, 24 steps each (~4 min on 2 cores)
+    python benchmarks/bench_async.py                 # three workloads, 24 steps each (~3 min on 2 cores)
     python benchmarks/bench_async.py --steps 6       # a smoke run
 
 As on a cluster where the fleet has its own GPUs: the trainer process runs torch on 1 thread, the rollouts run in
@@ -13,9 +13,11 @@ of both runs (learning must not suffer).
 
 Workloads:
 - demo: the `rollout demo` task and model (0.14M-parameter Llama, reward = fraction of "7" tokens), 8 prompts x 8
-  samples x 16 tokens, 1 epoch: rollouts dominate;
+  samples x 16 tokens, 1 epoch: rollouts dominate, and steps are ~0.1 s;
 - balanced: the same model and task with 32-token completions and 2 PPO-style epochs per batch, so training and
-  rollouts take about as long (the case overlap is for).
+  rollouts take about as long (the case overlap is for);
+- large: balanced with a larger batch (16 prompts x 8 samples x 64 tokens): steps of ~0.4 s, so the fixed cost of a
+  step (Ray round trips, the weight push and its fingerprint check: ~20 ms) weighs less.
 The last line is JSON.
 """
 
@@ -39,16 +41,21 @@ from trainers_integration.grpo import GRPOConfig, GRPOTrainer
 WORKLOADS = {
     "demo": dict(max_new_tokens=16, num_epochs=1),
     "balanced": dict(max_new_tokens=32, num_epochs=2),
+    "large": dict(max_new_tokens=64, num_epochs=2, prompts=16),
 }
 
 
-def run(fleet: RolloutFleet, initial, tokenizer, steps: int, workload: dict, asynchronous: bool, seed: int) -> dict:
+def run(fleet: RolloutFleet, initial, tokenizer, steps: int, workload: dict, asynchronous: bool, seed: int,
+        in_flight: str = "recompute") -> dict:
     torch.manual_seed(seed)
     model = copy.deepcopy(initial).train()
-    config = GRPOConfig(num_generations=8, temperature=1.0, async_rollouts=asynchronous, tis_cap=2.0, **workload)
+    workload = dict(workload)
+    prompts = workload.pop("prompts", 8)
+    config = GRPOConfig(num_generations=8, temperature=1.0, async_rollouts=asynchronous, tis_cap=2.0,
+                        in_flight=in_flight, **workload)
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
     reward = target_reward(tokenizer.convert_tokens_to_ids(TARGET))
-    trainer = GRPOTrainer(model, optimizer, reward, make_prompts(tokenizer, 8, seed), fleet, config)  # pushes v0
+    trainer = GRPOTrainer(model, optimizer, reward, make_prompts(tokenizer, prompts, seed), fleet, config)  # pushes v0
     start = time.perf_counter()
     history = trainer.train(steps)
     seconds = time.perf_counter() - start
@@ -64,20 +71,23 @@ def run(fleet: RolloutFleet, initial, tokenizer, steps: int, workload: dict, asy
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--workloads", default="demo,balanced")
+    parser.add_argument("--workloads", default="demo,balanced,large")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--verify-every", type=int, default=1, help="RolloutFleet(verify_every=...): compare the "
+                        "actors' fingerprints after every k-th update (1: every update)")
+    parser.add_argument("--in-flight", default="recompute", help="how each push lands on the rollouts in flight")
     args = parser.parse_args()
     torch.set_num_threads(1)  # the trainer's core
     path = build_tiny_model(f"{tempfile.gettempdir()}/rollout-bench-async", seed=args.seed)
     initial, tokenizer = load_tiny_model(path)
     results = {}
     fleet = RolloutFleet(path, num_workers=1, config=WorkerConfig(seed=args.seed),
-                         resources={"num_cpus": 1, "torch_threads": 1})
+                         resources={"num_cpus": 1, "torch_threads": 1}, verify_every=args.verify_every)
     try:
         for name in args.workloads.split(","):
             sync = run(fleet, initial, tokenizer, args.steps, WORKLOADS[name], False, args.seed)
             print(f"# {name} sync: {sync['per_step']:.3f} s/step", file=sys.stderr, flush=True)
-            asyn = run(fleet, initial, tokenizer, args.steps, WORKLOADS[name], True, args.seed)
+            asyn = run(fleet, initial, tokenizer, args.steps, WORKLOADS[name], True, args.seed, args.in_flight)
             print(f"# {name} async: {asyn['per_step']:.3f} s/step", file=sys.stderr, flush=True)
             t_r, t_t = sync["rollout_s"], sync["train_s"]
             bound = (t_r + t_t) / max(t_r, t_t)
@@ -86,8 +96,8 @@ def main() -> None:
     finally:
         fleet.close()
     print(f"# async card: {sum(p.numel() for p in initial.parameters()) / 1e6:.2f}M-parameter Llama, fp32, CPU; "
-          f"trainer 1 thread, one fleet actor 1 thread; {args.steps} GRPO steps x 8 prompts x 8 samples; "
-          "max_staleness 1, in_flight recompute, tis_cap 2")
+          f"trainer 1 thread, one fleet actor 1 thread; {args.steps} GRPO steps x 8 samples per prompt; "
+          f"max_staleness 1, in_flight {args.in_flight}, tis_cap 2, verify_every {args.verify_every}")
     print(f"{'workload':<10}{'T_r s':>7}{'T_t s':>7}{'sync s/step':>12}{'async s/step':>13}{'speedup':>9}"
           f"{'bound':>7}{'of bound':>9}{'reward sync':>12}{'reward async':>13}{'dropped':>8}")
     for name, r in results.items():
