@@ -416,6 +416,36 @@ def test_an_update_lands_on_every_actor_while_a_submitted_call_is_in_flight(flee
     assert_exact(local, again, prompts[:2], [SamplingParams(n=1, max_new_tokens=5)] * 2)
 
 
+def test_an_actor_dying_while_an_update_lands_mid_call_loses_no_row_and_versions_stay_true(fleet, local):
+    old = copy.deepcopy(local)
+    victim = fleet.actors[0]
+    prompts = [prompt_of(5 + 3 * i, 120 + i) for i in range(6)]
+    params = [SamplingParams(n=2, max_new_tokens=200, ignore_eos=True)] * len(prompts)
+    future = fleet.submit(prompts, params)
+    deadline = time.monotonic() + 60
+    while not all(s["busy"] for s in _stats(fleet)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ray.kill(victim)
+    weights = perturbed(local, seed=6)
+    local.load_state_dict(weights)
+    fleet.update_weights(weights, version=11, in_flight="recompute")
+    batch = future.result(timeout=300)
+    assert fleet.actors[0] is not victim and {s["version"] for s in _stats(fleet)} == {11}
+    assert sorted(zip(batch.prompt_index.tolist(), batch.sample_index.tolist())) == [(i, j) for i in range(6)
+                                                                                     for j in range(2)]
+    versions = set()
+    for r, completion in enumerate(batch.completion_token_lists()):
+        i, n = int(batch.prompt_index[r]), len(completion)
+        row_versions = batch.token_versions[r, :n]
+        versions |= set(row_versions.tolist())
+        assert set(row_versions.tolist()) <= {10, 11}
+        for model, version in ((old, 10), (local, 11)):  # every token exact under the weights that produced it
+            full, _ = reference_logprobs(model, prompts[i], completion)
+            at = row_versions == version
+            assert torch.allclose(batch.logprobs[r, :n][at], full[at], atol=TOL)
+    assert 11 in versions  # the replacement's re-run rows (and the survivor's tail) came from the new weights
+
+
 def test_close_stops_every_actor_and_the_ray_it_started(fleet):
     actors = fleet.actors
     fleet.close()
