@@ -430,6 +430,7 @@ def test_an_actor_dying_while_an_update_lands_mid_call_loses_no_row_and_versions
     local.load_state_dict(weights)
     fleet.update_weights(weights, version=11, in_flight="recompute")
     batch = future.result(timeout=300)
+    assert fleet.weights_fingerprint() == fingerprint(local)  # every actor, the replacement too, holds version 11
     assert fleet.actors[0] is not victim and {s["version"] for s in _stats(fleet)} == {11}
     assert sorted(zip(batch.prompt_index.tolist(), batch.sample_index.tolist())) == [(i, j) for i in range(6)
                                                                                      for j in range(2)]

@@ -264,7 +264,7 @@ class RolloutFleet:
         each round of bookkeeping and released while waiting, so an update can land meanwhile."""
         deadline = None if timeout is None else time.monotonic() + timeout
         plan = Dispatcher(costs, range(self.num_workers), self.chunks_per_worker)
-        inflight: dict[Any, tuple[int, Any]] = {}  # object ref -> (slot, chunk)
+        inflight: dict[Any, tuple[int, Any, Any]] = {}  # object ref -> (slot, chunk, the actor it went to)
         results: dict[int, Any] = {}
         try:
             with self._lock:
@@ -273,7 +273,7 @@ class RolloutFleet:
             while not plan.finished:
                 with self._lock:
                     for slot, chunk in plan.assign(self._ready()):
-                        inflight[submit(self._actors[slot], list(chunk.jobs))] = (slot, chunk)
+                        inflight[submit(self._actors[slot], list(chunk.jobs))] = (slot, chunk, self._actors[slot])
                     waiting = list(inflight) + list(self._starting.values())
                     if not waiting:
                         raise RuntimeError(f"RolloutFleet.{what}: no actor is running or starting")
@@ -292,25 +292,26 @@ class RolloutFleet:
                             self._started(next(s for s, r in self._starting.items() if r == ref))
         finally:
             with self._lock:
-                for ref, (slot, _) in inflight.items():  # after an error: nothing of the call keeps running
+                for ref, (slot, _, _) in inflight.items():  # after an error: nothing of the call keeps running
                     with contextlib.suppress(Exception):
                         ray.cancel(ref)
                         self._actors[slot].cancel.options(concurrency_group="control").remote()
         return results
 
     def _collect(self, ref, inflight: dict, plan: Dispatcher, results: dict, jobs_name: str) -> None:
-        slot, chunk = inflight.pop(ref)
+        slot, chunk, actor = inflight.pop(ref)
         try:
             values = ray.get(ref)
         except ray.exceptions.RayActorError:
-            for other in [r for r, (s, _) in inflight.items() if s == slot]:
+            for other in [r for r, (s, _, _) in inflight.items() if s == slot]:
                 inflight.pop(other)
             given_up = plan.fail(slot)
             if given_up:
                 raise RuntimeError(f"{jobs_name} {given_up[:5]} were on an actor that died {plan.max_attempts} times: "
                                    "they probably kill it (out of memory?). Fix: shorten them or give actors more "
                                    "memory.") from None
-            self._replace(slot)
+            if self._actors[slot] is actor:  # not already replaced (an update that landed meanwhile replaces the dead)
+                self._replace(slot)
             return
         results.update(zip(chunk.jobs, values))
         plan.complete(slot, chunk)
