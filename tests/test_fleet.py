@@ -385,14 +385,20 @@ def test_a_hung_actor_times_out_naming_it_and_its_replacement_rejoins_the_group(
     assert all(s["num_rows"] > b for s, b in zip(_stats(fleet), before))
 
 
-def test_an_update_lands_on_every_actor_while_a_submitted_call_is_in_flight(fleet, local):
-    old = copy.deepcopy(local)
-    prompts = [prompt_of(6 + 5 * i, 90 + i) for i in range(6)]
-    params = [SamplingParams(n=2, max_new_tokens=300, ignore_eos=True)] * len(prompts)
+def submit_until_busy(fleet, prompts: list[list[int]], max_new_tokens: int):
+    """Submit n=2 long samples per prompt; return the future once every actor is generating."""
+    params = [SamplingParams(n=2, max_new_tokens=max_new_tokens, ignore_eos=True)] * len(prompts)
     future = fleet.submit(prompts, params)
     deadline = time.monotonic() + 60
     while not all(s["busy"] for s in _stats(fleet)) and time.monotonic() < deadline:
         time.sleep(0.01)
+    return future
+
+
+def test_an_update_lands_on_every_actor_while_a_submitted_call_is_in_flight(fleet, local):
+    old = copy.deepcopy(local)
+    prompts = [prompt_of(6 + 5 * i, 90 + i) for i in range(6)]
+    future = submit_until_busy(fleet, prompts, max_new_tokens=300)
     time.sleep(0.2)  # tokens are being sampled on both actors
     weights = perturbed(local, seed=5)
     local.load_state_dict(weights)
@@ -409,8 +415,7 @@ def test_an_update_lands_on_every_actor_while_a_submitted_call_is_in_flight(flee
             full, _ = reference_logprobs(model, prompts[i], completion)
             at = versions == version
             assert torch.allclose(batch.logprobs[r, :n][at], full[at], atol=TOL)
-    cancelled = fleet.submit(prompts, params)
-    time.sleep(0.3)
+    cancelled = submit_until_busy(fleet, prompts, max_new_tokens=300)
     assert cancelled.cancel() and cancelled.done()
     again = fleet.generate(prompts[:2], [SamplingParams(n=1, max_new_tokens=5)] * 2)
     assert_exact(local, again, prompts[:2], [SamplingParams(n=1, max_new_tokens=5)] * 2)
@@ -420,11 +425,7 @@ def test_an_actor_dying_while_an_update_lands_mid_call_loses_no_row_and_versions
     old = copy.deepcopy(local)
     victim = fleet.actors[0]
     prompts = [prompt_of(5 + 3 * i, 120 + i) for i in range(6)]
-    params = [SamplingParams(n=2, max_new_tokens=200, ignore_eos=True)] * len(prompts)
-    future = fleet.submit(prompts, params)
-    deadline = time.monotonic() + 60
-    while not all(s["busy"] for s in _stats(fleet)) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    future = submit_until_busy(fleet, prompts, max_new_tokens=200)
     ray.kill(victim)
     weights = perturbed(local, seed=6)
     local.load_state_dict(weights)
