@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from .errors import check_int, invalid
+from .errors import check_int, invalid, preview
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Turn:
             ids = ids.tolist()
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or \
                 not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise invalid("observation_ids", _short(ids), "must be a list of int token ids",
+            raise invalid("observation_ids", preview(ids), "must be a list of int token ids",
                           "tokenize the observation and return its ids")
         object.__setattr__(self, "observation_ids", list(ids))
         if isinstance(self.reward, bool) or not isinstance(self.reward, (int, float)) or not math.isfinite(self.reward):
@@ -57,11 +57,6 @@ class Environment(Protocol):
 
 
 EnvFactory = Callable[[int, int], Environment]
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 @dataclass(frozen=True)
@@ -82,7 +77,7 @@ class EpisodeSpec:
 
     def __post_init__(self) -> None:
         if not callable(self.env):
-            raise invalid("env", _short(self.env), "must be callable as make_env(prompt_index, sample_index)",
+            raise invalid("env", preview(self.env), "must be callable as make_env(prompt_index, sample_index)",
                           "pass a function or class that returns an Environment")
         check_int("max_turns", self.max_turns, 1, "allow at least 1 model turn per episode")
         if self.max_episode_tokens is not None:

@@ -371,11 +371,10 @@ class Engine:
         held)."""
         self._rerun = [s for s in self._rerun if s.call is not call]
         for sample in call.samples:
-            if sample in self._stepping or (sample.episode is not None and sample.row is None
-                                            and sample.episode.env is not None):
+            self._stepping.discard(sample)
+            if sample.episode is not None and sample.row is None:  # an ended episode closed its own
                 self._stepper.close_env(sample.episode.env)
                 sample.episode.env = None
-            self._stepping.discard(sample)
         cancelled = [request_id for request_id, sample in self._pending.items() if sample.call is call]
         for request_id in cancelled:
             self._pending.pop(request_id)

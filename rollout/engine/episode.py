@@ -72,10 +72,6 @@ class Episode:
         self._observe(turn.observation_ids)
         return True
 
-    def end_early(self, message: str) -> None:
-        """An episode that cannot go on (e.g. its environment timed out)."""
-        self._fail(f"turn {self.num_turns}: {message}")
-
     def reset(self) -> None:
         """Back to the start (an aborted episode re-runs from scratch with a fresh environment)."""
         self.__init__(self.factory, self.max_turns, self.max_tokens, self.vocab_size, self.timeout,
