@@ -98,13 +98,15 @@ def sync(device: torch.device) -> None:
 
 # ---------------------------------------------------------------------------------------------------- model
 def load_model(args):
-    """(model, pad_token_id, label). Sizes of rollout.testing are Llamas with their trained tokenizer; "0.5b" is a
-    Qwen2 of Qwen2.5-0.5B's shape with random weights (token ids only)."""
+    """(model, pad_token_id, label). Sizes of rollout.testing are Llamas (or Qwen2s, `--arch qwen2`) with their
+    trained tokenizer; "0.5b" is a Qwen2 of Qwen2.5-0.5B's shape with random weights (token ids only)."""
     dtype = getattr(torch, args.dtype)
     if args.size in SIZES:
-        path = build_tiny_model(f"{tempfile.gettempdir()}/rollout-bench-{args.size}", size=args.size)
+        suffix = "" if args.arch == "llama" else f"-{args.arch}"
+        path = build_tiny_model(f"{tempfile.gettempdir()}/rollout-bench-{args.size}{suffix}", arch=args.arch,
+                                size=args.size)
         model, tok = load_tiny_model(path, dtype=dtype)
-        return model.to(args.device), tok.pad_token_id, f"llama-{args.size}"
+        return model.to(args.device), tok.pad_token_id, f"{args.arch}-{args.size}"
     if args.size != "0.5b":
         raise SystemExit(f"--size {args.size!r}: use one of {sorted(SIZES)} or 0.5b")
     from transformers import AutoModelForCausalLM, Qwen2Config
@@ -255,9 +257,11 @@ def bandwidth_bound(model, args, rows: int, context: int, sizes: list[int], step
 
 
 # ---------------------------------------------------------------------------------------------------- main
-def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(parser: argparse.ArgumentParser | None = None):
+    """This benchmark's arguments, added to `parser` (another script's, with arguments of its own) if given."""
+    parser = parser or argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="25m", help=f"one of {sorted(SIZES)} (Llama) or 0.5b (Qwen2)")
+    parser.add_argument("--arch", default="llama", choices=("llama", "qwen2"), help="of the rollout.testing sizes")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--prompts", type=int, default=8)

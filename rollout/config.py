@@ -35,8 +35,8 @@ class DeviceDefaults:
     kv_cache_memory_fraction: float | None
 
 
-CPU_DEFAULTS = DeviceDefaults(max_batch_tokens=512, max_requests_per_batch=128, kv_cache_memory_mb=256,
-                              kv_cache_memory_fraction=None)
+CPU_DEFAULTS = DeviceDefaults(max_batch_tokens=2048, max_requests_per_batch=512, kv_cache_memory_mb=None,
+                              kv_cache_memory_fraction=0.25)
 # A GRPO step of 256+ rows decodes in one forward; 8192 tokens is transformers' own default step budget.
 GPU_DEFAULTS = DeviceDefaults(max_batch_tokens=8192, max_requests_per_batch=512, kv_cache_memory_mb=None,
                               kv_cache_memory_fraction=0.5)

@@ -1,5 +1,6 @@
 """Colocation with a trainer: sleep frees the KV cache and the engine's buffers (measured in process RSS), wake
-re-allocates them, and rollouts after a wake are exact, current and never read KV cached before the sleep."""
+re-allocates them, and rollouts after a wake are exact, current and never read KV cached before the sleep. On the
+host, the KV cache costs the pages its tokens fill, not its budget."""
 
 from __future__ import annotations
 
@@ -40,10 +41,16 @@ def worker(tiny):
     w.close()
 
 
+def fill_every_page(worker) -> None:
+    """What a long run leaves behind: every page of the KV cache written (its tokens are not read again)."""
+    worker.engine._manager.batch_processor.cache.cache_tensor.fill_(0)
+
+
 def test_sleep_releases_the_kv_budget_and_wake_serves_exact_rollouts_again(worker):
     params = SamplingParams(n=3, temperature=0.9, top_k=40, max_new_tokens=10)
     prompts = [prompt_of(20, seed=1), prompt_of(7, seed=2)]
     worker.generate(prompts, params)
+    fill_every_page(worker)
     awake = rss_mb()
     worker.sleep()
     asleep = rss_mb()
@@ -51,10 +58,25 @@ def test_sleep_releases_the_kv_budget_and_wake_serves_exact_rollouts_again(worke
     assert awake - asleep >= 0.9 * KV_MB, (awake, asleep)
     worker.wake()
     assert not worker.is_sleeping and worker.engine.is_alive()
-    assert rss_mb() - asleep >= 0.9 * KV_MB  # the cache is committed again (its pages are written at allocation)
+    assert rss_mb() - asleep < 0.1 * KV_MB  # a fresh cache: no page is committed before a token is written to it
     batch = worker.generate(prompts, params)
     assert len(batch) == 6 and batch.policy_version.tolist() == [0] * 6
     assert_exact(worker.model, batch, params)
+
+
+def test_a_host_kv_cache_costs_the_pages_its_tokens_fill_not_its_budget(tiny):
+    model, _ = tiny
+    before = rss_mb()
+    budget_mb = 2 * KV_MB
+    with RolloutWorker(model, WorkerConfig(kv_cache_memory_mb=budget_mb)) as worker:
+        started = rss_mb()
+        # 1 GiB of KV budget (2M tokens); what is committed is the engine's bookkeeping of its blocks
+        assert started - before < 0.05 * budget_mb, (before, started)
+        cache = worker.engine._manager.batch_processor.cache
+        assert int(cache.cache_tensor.count_nonzero()) == 0  # and it reads as zeros, as upstream's torch.zeros did
+        worker.generate([prompt_of(40, seed=6)], SamplingParams(n=4, max_new_tokens=30, ignore_eos=True))
+        # 4 x 70 tokens of KV (512 bytes each): well under a MiB, whatever the budget
+        assert rss_mb() - started < 0.05 * KV_MB
 
 
 def test_generate_on_a_sleeping_worker_wakes_it_and_sleep_waits_for_in_flight_calls(worker):

@@ -41,6 +41,9 @@ Public but internal (no underscore, same risk):
 - `PagedAttentionMemoryHandler.num_attention_masks` / `.kv_heads_at_peak` (memory.py patches `__init__` to set
   them): the memory plan charges every attention but flash for a dense mask and repeated KV; `rollout_paged` has
   neither, and the plan would refuse a large KV budget for a mask that is never built.
+- `PagedAttentionCache.__init__` allocating the whole cache as one `torch.zeros(bytes, dtype=torch.uint8, device=...)`
+  looked up as `torch` in transformers' `continuous_batching.cache` module (memory.py gives that module a `torch`
+  whose `zeros` maps lazily zeroed pages on the host, so a large CPU budget costs only what is cached).
 - The plan cache's key (plan.py): `cu_seq_lens_q` and `read_index` are created afresh for every forward (and shared
   by its layers), so their identity tells one forward from the next.
 - The cache ledgers' `hash_to_block` / `block_to_hash`, the allocators' `block_table` and `evict_cached_blocks`
@@ -289,6 +292,23 @@ def test_the_memory_plan_attributes_are_set_at_init_and_read_by_the_footprint():
                                                   torch.float32, 1024, 16, 4096, ["full_attention"])
     assert (plans["sdpa"].num_attention_masks, plans["sdpa"].kv_heads_at_peak) == (1, 2 * 4 + 2)  # upstream's
     assert (plans[NAME].num_attention_masks, plans[NAME].kv_heads_at_peak) == (0, 2 * 2)  # memory.py's
+
+
+def test_the_paged_cache_is_one_uint8_zeros_allocation_through_its_modules_torch():
+    from transformers.generation.continuous_batching import cache as cache_module
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    from rollout.engine import memory
+
+    source = inspect.getsource(PagedAttentionCache.__init__)
+    assert len(re.findall(r"torch\.zeros\(", source)) == 1
+    assert "self.cache_tensor = torch.zeros(non_trash_bytes + trash_bytes, dtype=torch.uint8, device=self.device)" \
+        in source
+    assert isinstance(cache_module.torch, memory._CacheTorch)
+    lazy = cache_module.torch.zeros(3 * 2**20, dtype=torch.uint8, device=torch.device("cpu"))
+    assert lazy.dtype == torch.uint8 and lazy.shape == (3 * 2**20,) and int(lazy.count_nonzero()) == 0
+    assert cache_module.torch.zeros(2, 3).shape == (2, 3)  # every other call is torch's own
+    assert cache_module.torch.Tensor is torch.Tensor
 
 
 def test_the_cpu_flash_kernel_returns_the_log_sum_exp():

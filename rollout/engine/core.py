@@ -37,7 +37,7 @@ from . import memory  # noqa: F401  (patches upstream's memory plan for rollout_
 from . import switch
 from .call import Call, Sample
 from .ledger import Ledger
-from . import cuda, sizing
+from . import cuda, linear, sizing
 from .manager import RolloutManager
 from .router import RolloutRouter
 from .runner import RolloutIOs, RolloutModelRunner, RowSlotArgs
@@ -84,7 +84,12 @@ class Engine:
         self.num_reused_tokens = 0
         self._stepper = Stepper(config.env_threads)
         self._call_index = itertools.count()  # keys the random streams of a call's unseeded samples
-        self._manager = self._build_manager()
+        self._blocked = linear.blocked(model)  # wide linear layers in column blocks on the engine thread (linear.py)
+        try:
+            self._manager = self._build_manager()
+        except BaseException:  # a config this model cannot run with: the model is given back as it came
+            linear.restore(self._blocked)
+            raise
         self._supervisor = threading.Thread(target=self._supervise, daemon=True, name="rollout-supervisor")
         self._supervisor.start()
 
@@ -174,6 +179,7 @@ class Engine:
         manager, self._manager = self._manager, None
         if manager is not None and manager._generation_thread is not None:
             manager.stop(block=True, timeout=30)
+        linear.restore(self._blocked)
 
     def _restart(self) -> None:
         """Replace a dead manager with a fresh one (fresh cache); what it held is queued for re-running."""

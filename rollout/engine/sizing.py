@@ -38,12 +38,25 @@ def kv_budget_bytes(config: WorkerConfig, device: torch.device) -> int:
     return int(config.kv_cache_memory_fraction * free_memory(device))
 
 
+def max_useful_tokens(config: WorkerConfig, model) -> int | None:
+    """The most tokens the engine can hold at once: max_requests_per_batch requests of the model's longest sequence
+    (None when the model states no maximum length)."""
+    longest = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    return None if not longest else config.max_requests_per_batch * longest
+
+
 def num_blocks(config: WorkerConfig, model) -> int:
-    """Blocks of `page_size` tokens: config.num_blocks, or what the budget holds (capped at max_cache_tokens when the
-    attention allocates a dense mask, which grows with the cache)."""
+    """Blocks of `page_size` tokens: config.num_blocks, or what the budget holds. A budget that is a fraction of free
+    memory stops at what the engine can use at once (`max_useful_tokens`: a small model on a big host would
+    otherwise get millions of blocks of bookkeeping); a budget in MiB is taken as given. Either is capped at
+    max_cache_tokens when the attention allocates a dense mask, which grows with the cache."""
     if config.num_blocks is not None:
         return config.num_blocks
-    by_memory = kv_budget_bytes(config, model.device) // (kv_bytes_per_token(model) * config.page_size)
+    budget = kv_budget_bytes(config, model.device)
+    useful = max_useful_tokens(config, model)
+    if config.kv_cache_memory_mb is None and useful is not None:
+        budget = min(budget, useful * kv_bytes_per_token(model))
+    by_memory = budget // (kv_bytes_per_token(model) * config.page_size)
     if not attn_mask_is_needed(model.config):  # no dense mask to bound: the memory budget alone sizes it
         return max(MIN_BLOCKS, by_memory)
     return max(MIN_BLOCKS, min(by_memory, config.max_cache_tokens // config.page_size))
