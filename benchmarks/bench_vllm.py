@@ -240,7 +240,7 @@ def parse_args():
     parser.add_argument("--rounds", type=int, default=2, help="processes per engine and row, interleaved")
     parser.add_argument("--steps", type=int, default=1, help="timed steps per process, after one warm-up step")
     parser.add_argument("--threads", type=int, default=None, help="threads per engine (default: torch's)")
-    parser.add_argument("--vllm-kv-gib", type=float, default=6, help="vLLM's KV budget (VLLM_CPU_KVCACHE_SPACE)")
+    parser.add_argument("--vllm-kv-gib", type=int, default=6, help="vLLM's KV budget (VLLM_CPU_KVCACHE_SPACE)")
     parser.add_argument("--engines", default="rollout,vllm")
     parser.add_argument("--rollout-config", default="", metavar="FIELD=VALUE,...",
                         help="WorkerConfig fields for this engine instead of its defaults, e.g. kv_cache_memory_mb=6144")

@@ -1,8 +1,9 @@
 """WorkerConfig: how a RolloutWorker sizes and runs its engine. Frozen and validated at construction.
 
-Sizes left at None are the device's defaults (`for_device`): on CPU a fixed 256 MiB KV budget and a 512-token step,
-so the per-step buffers stay in the tens of MiB; on a GPU half of the device memory free when the engine is built
-(again at every wake), and steps of up to 8192 tokens and 512 sequences.
+Sizes left at None are the device's defaults (`for_device`): on CPU a quarter of the host's available memory for KV
+(host pages cost memory only once tokens fill them, so the budget is a ceiling, not an allocation), steps of up to 2048
+tokens and 512 sequences (a 512-row GRPO step decodes in one forward); on a GPU half of the device memory free when
+the engine is built (again at every wake), and steps of up to 8192 tokens and 512 sequences.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class DeviceDefaults:
 
 CPU_DEFAULTS = DeviceDefaults(max_batch_tokens=2048, max_requests_per_batch=512, kv_cache_memory_mb=None,
                               kv_cache_memory_fraction=0.25)
-# A GRPO step of 256+ rows decodes in one forward; 8192 tokens is transformers' own default step budget.
+# A GRPO step of up to 512 rows decodes in one forward; 8192 tokens is transformers' own default step budget.
 GPU_DEFAULTS = DeviceDefaults(max_batch_tokens=8192, max_requests_per_batch=512, kv_cache_memory_mb=None,
                               kv_cache_memory_fraction=0.5)
 
@@ -48,15 +49,16 @@ class WorkerConfig:
 
     page_size: tokens per KV page (transformers minimum: 4).
     num_blocks: KV blocks of `page_size` tokens; None derives it from the KV budget (the two fields below).
-    max_batch_tokens: query tokens per forward step (prefill chunks + decodes); None: 512 on CPU, 8192 on a GPU.
-    kv_cache_memory_mb: KV budget in MiB; None: the device default (256 on CPU; on a GPU, the fraction below).
+    max_batch_tokens: query tokens per forward step (prefill chunks + decodes); None: 2048 on CPU, 8192 on a GPU.
+    kv_cache_memory_mb: KV budget in MiB, taken as given; None: the fraction below.
     kv_cache_memory_fraction: KV budget as a fraction in (0, 1] of the device memory free when the engine is built
         (CUDA: `torch.cuda.mem_get_info`; CPU: MemAvailable); exclusive with kv_cache_memory_mb. None: the device
-        default (0.5 on a GPU). A sleeping worker measures again when it wakes.
+        default (0.25 on CPU, 0.5 on a GPU). Capped at what the engine can use at once (max_requests_per_batch
+        requests of the model's context). A sleeping worker measures again when it wakes.
     max_cache_tokens: cap on cached tokens when num_blocks is None and the engine's attention allocates a dense
         max_batch_tokens x cache-tokens mask ("sdpa", "paged|eager"; an uncapped cache on CPU costs GiBs of mask).
         Mask-free attention ("rollout_paged", flash) is sized by the KV budget alone.
-    max_requests_per_batch: most sequences in one forward step; None: 128 on CPU, 512 on a GPU.
+    max_requests_per_batch: most sequences in one forward step; None: 512 on CPU and on a GPU.
     max_request_tokens: the longest request (prompt + completion) the worker must hold; when set, start-up fails
         unless the KV cache holds one such request, with an error that says how many tokens fit.
     prefix_caching: reuse KV of identical prompt prefixes across calls (invalidated on every weight change).
@@ -104,7 +106,7 @@ class WorkerConfig:
         if self.num_blocks is not None:
             check_int("num_blocks", self.num_blocks, 1, "use None to size from kv_cache_memory_mb, or >= 1")
         if self.max_batch_tokens is not None:
-            check_int("max_batch_tokens", self.max_batch_tokens, 1, "use e.g. 512 on CPU, 2048-8192 on GPU")
+            check_int("max_batch_tokens", self.max_batch_tokens, 1, "use e.g. 2048 on CPU, 8192 on GPU")
         self._check_kv_budget()
         check_int("max_cache_tokens", self.max_cache_tokens, self.page_size,
                       "allow at least one page of cached tokens")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rollout import WorkerConfig
-from rollout.engine import cuda
+from rollout.engine import cuda, sizing
 from rollout.engine.attention import NAME, resolve_attn_implementation
 
 
@@ -57,8 +57,12 @@ def test_cuda_graphs_and_async_batching_only_where_every_hook_allows_them(device
 
 def test_the_decode_fast_path_holds_the_longest_request_within_the_cache():
     flash = stand_in("cuda", "flash_attention_2", max_positions=4096)
-    assert cuda.decode_fast_path_blocks(flash, WorkerConfig(page_size=16), num_blocks=10_000) == 4096 // 16 + 1
-    assert cuda.decode_fast_path_blocks(flash, WorkerConfig(page_size=16), num_blocks=100) == 100
-    assert cuda.decode_fast_path_blocks(flash, WorkerConfig(page_size=16, max_request_tokens=1000), 10_000) == 64
-    assert cuda.decode_fast_path_blocks(stand_in("cuda", NAME), WorkerConfig(), 10_000) == 0
-    assert cuda.decode_fast_path_blocks(stand_in("cpu", "flash_attention_2"), WorkerConfig(), 10_000) == 0
+    assert sizing.block_table_width(flash, WorkerConfig(page_size=16), num_blocks=10_000) == 4096 // 16 + 1
+    assert sizing.block_table_width(flash, WorkerConfig(page_size=16), num_blocks=100) == 100
+    assert sizing.block_table_width(flash, WorkerConfig(page_size=16, max_request_tokens=1000), 10_000) == 64
+    # rollout_paged reads and writes pages itself, on any device; other attentions need per-token indices
+    for device in ("cuda", "cpu"):
+        paged = stand_in(device, NAME, max_positions=4096)
+        assert sizing.block_table_width(paged, WorkerConfig(page_size=16), 10_000) == 4096 // 16 + 1
+    assert sizing.block_table_width(stand_in("cpu", "flash_attention_2"), WorkerConfig(), 10_000) == 0
+    assert sizing.block_table_width(stand_in("cuda", "sdpa"), WorkerConfig(), 10_000) == 0

@@ -27,7 +27,8 @@ def cache_blocks(worker: RolloutWorker) -> int:
 
 def test_unset_sizes_take_the_devices_defaults():
     cpu, gpu = WorkerConfig().for_device(torch.device("cpu")), WorkerConfig().for_device(torch.device("cuda"))
-    assert (cpu.max_batch_tokens, cpu.max_requests_per_batch, cpu.kv_cache_memory_mb) == (512, 128, 256)
+    assert (cpu.max_batch_tokens, cpu.max_requests_per_batch, cpu.kv_cache_memory_fraction) == (2048, 512, 0.25)
+    assert cpu.kv_cache_memory_mb is None
     assert (gpu.max_batch_tokens, gpu.max_requests_per_batch, gpu.kv_cache_memory_fraction) == (8192, 512, 0.5)
     assert gpu.kv_cache_memory_mb is None
     mine = WorkerConfig(max_batch_tokens=64, kv_cache_memory_fraction=0.25).for_device(torch.device("cuda"))
@@ -50,6 +51,16 @@ def test_a_fraction_budget_is_measured_on_free_memory_at_start_and_again_at_wake
         worker.sleep()
         worker.wake()
         assert cache_blocks(worker) == 8 * 2**20 // (kv_bytes_per_token(model) * PAGE)
+
+
+def test_a_fraction_budget_stops_at_what_the_engine_can_hold_at_once_and_a_mib_budget_does_not(tiny, monkeypatch):
+    model, _ = tiny
+    monkeypatch.setattr(sizing, "free_memory", lambda device: 2**40)  # a host with a TiB free
+    limit = 8 * model.config.max_position_embeddings  # 8 requests of the model's longest sequence
+    with RolloutWorker(model, WorkerConfig(max_requests_per_batch=8)) as worker:
+        assert cache_blocks(worker) == limit // PAGE
+    with RolloutWorker(model, WorkerConfig(max_requests_per_batch=8, kv_cache_memory_mb=4 * 2**10 // 8)) as worker:
+        assert cache_blocks(worker) == 512 * 2**20 // (kv_bytes_per_token(model) * PAGE)  # taken as given
 
 
 def test_free_host_memory_is_what_the_kernel_reports_available():

@@ -44,6 +44,13 @@ Public but internal (no underscore, same risk):
 - `PagedAttentionCache.__init__` allocating the whole cache as one `torch.zeros(bytes, dtype=torch.uint8, device=...)`
   looked up as `torch` in transformers' `continuous_batching.cache` module (memory.py gives that module a `torch`
   whose `zeros` maps lazily zeroed pages on the host, so a large CPU budget costs only what is cached).
+- The decode fast path (blocktable.py, plan.py): `initialization.ensure_decode_fast_path_is_available`, called by
+  name while a manager resolves its config, turns it off for anything but flash (blocktable.py replaces it so that
+  `rollout_paged` keeps it); in a decode-only step `get_model_kwargs` then passes `block_table` [allocators,
+  sequences, width] (each request's pages, -1 past its last) with empty read and write indices, and nobody writes the
+  step's KV but the attention; `PagedAttentionCache.fill_block_table(request_id, past_length, query_length, row)` fills
+  a request's row with `block * (block_physical_stride // tokens_per_page)`, the index of the page in the layer's
+  `_kv_token_views` viewed as pages of `tokens_per_page` rows (blocktable.py fills it the same way, faster).
 - The plan cache's key (plan.py): `cu_seq_lens_q` and `read_index` are created afresh for every forward (and shared
   by its layers), so their identity tells one forward from the next.
 - The cache ledgers' `hash_to_block` / `block_to_hash`, the allocators' `block_table` and `evict_cached_blocks`
@@ -60,6 +67,7 @@ Public but internal (no underscore, same risk):
 from __future__ import annotations
 
 import ast
+import copy
 import inspect
 import queue
 import re
@@ -309,6 +317,69 @@ def test_the_paged_cache_is_one_uint8_zeros_allocation_through_its_modules_torch
     assert lazy.dtype == torch.uint8 and lazy.shape == (3 * 2**20,) and int(lazy.count_nonzero()) == 0
     assert cache_module.torch.zeros(2, 3).shape == (2, 3)  # every other call is torch's own
     assert cache_module.torch.Tensor is torch.Tensor
+
+
+def test_the_decode_fast_path_check_is_looked_up_by_name_and_kept_for_rollout_paged():
+    from transformers import LlamaConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching import initialization
+
+    from rollout.engine import blocktable
+
+    source = inspect.getsource(initialization.resolve_continuous_batching_config)
+    assert "ensure_decode_fast_path_is_available(config, cb_config, user_requested_decode_path)" in source
+    assert initialization.ensure_decode_fast_path_is_available is blocktable._keep_block_tables
+    config = LlamaConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128)
+    for impl, kept in (("sdpa", 0), (NAME, 9)):
+        config._attn_implementation = impl
+        cb_config = ContinuousBatchingConfig(max_blocks_per_request=9)
+        initialization.ensure_decode_fast_path_is_available(config, cb_config, True)
+        assert cb_config.max_blocks_per_request == kept  # upstream's check on CPU turns it off for sdpa
+    config.layer_types, config.sliding_window = ["sliding_attention", "full_attention"], 8
+    cb_config = ContinuousBatchingConfig(max_blocks_per_request=9)
+    initialization.ensure_decode_fast_path_is_available(config, cb_config, True)
+    assert cb_config.max_blocks_per_request == 0  # sliding-window groups have no block tables
+
+
+def test_block_table_rows_hold_each_requests_pages_of_the_layers_token_view(worker):
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    # a copy of the engine's cache whose allocators hold only the probe: the engine thread owns the live tables
+    cache = copy.copy(worker.engine._manager.batch_processor.cache)
+    cache.cache_allocators = {name: copy.copy(a) for name, a in cache.cache_allocators.items()}
+    allocator = cache.cache_allocators["full_attention"]
+    allocator.block_table = {"probe": [3, 7, 11]}
+    assert list(inspect.signature(PagedAttentionCache.fill_block_table).parameters) == [
+        "self", "request_id", "past_length", "query_length", "block_table"]
+    ours, upstream = (torch.full((1, 6), -1, dtype=torch.int32) for _ in range(2))
+    cache.fill_block_table("probe", 40, 1, ours)  # RolloutCache's
+    PagedAttentionCache.fill_block_table(cache, "probe", 40, 1, upstream)
+    assert torch.equal(ours, upstream) and ours[0, 3:].tolist() == [-1, -1, -1]
+    # entry j is the page of the request's keys j * page ... (j + 1) * page - 1 in the token view
+    reads = allocator.get_read_indices("probe", 40, 1)
+    page = allocator.tokens_per_page
+    assert [reads[j * page] // page for j in range(3)] == ours[0, :3].tolist()
+    assert all(reads[j * page + t] == reads[j * page] + t for j in range(3) for t in range(page) if j * page + t < 41)
+
+
+def test_a_decode_only_step_comes_with_a_block_table_and_no_per_token_indices(worker, monkeypatch):
+    from rollout.engine import plan as plan_mod
+
+    seen = []
+    build = plan_mod._build_plan
+
+    def spy(allocator, kwargs):
+        if kwargs.get("block_table") is not None:
+            seen.append((kwargs["block_table"].shape, [i.numel() for i in kwargs["read_index"]],
+                         [i.numel() for i in kwargs["write_index"]]))
+        return build(allocator, kwargs)
+
+    monkeypatch.setattr(plan_mod, "_build_plan", spy)
+    worker.generate([list(range(10, 30))], SamplingParams(n=2, max_new_tokens=5, ignore_eos=True))
+    assert seen, "no decode-only step used a block table"
+    shape, reads, writes = seen[-1]
+    assert shape[0] == 1 and shape[1] == 2 and reads == [0] and writes == [0]
 
 
 def test_the_cpu_flash_kernel_returns_the_log_sum_exp():

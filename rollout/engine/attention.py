@@ -68,8 +68,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         return out.unsqueeze(0), None
     # write the step's new KV ([T, Hkv, D]); an empty read index makes the allocator skip its read-back
     k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)
-    no_read = kwargs["write_index"][allocator.index][:0]
-    allocator.update(k_new, v_new, layer, no_read, kwargs["write_index"][allocator.index])
+    write = kwargs["write_index"][allocator.index] if plan.write_index is None else plan.write_index
+    allocator.update(k_new, v_new, layer, write[:0], write)
     read = _Reader(cache, allocator, layer)
     if plan.decode is not None:
         _decode(plan.decode, read, q, out, scaling)
@@ -97,7 +97,7 @@ def _decode(plan: Decode, read: "_Reader", q: torch.Tensor, out: torch.Tensor, s
     od = qd.new_empty(qd.shape[:-1] + (out.shape[-1],))
     lse = qd.new_empty(qd.shape[:-1], dtype=torch.float32) if plan.prefix else None  # [R, Hkv, rep]
     for b in plan.buckets:
-        k, v = read(b.read_index)  # [n * L, Hkv, D]
+        k, v = read.pages(b.pages)  # [n * L, Hkv, D]
         k = k.view(b.end - b.start, b.max_len, num_kv_heads, -1).transpose(1, 2)  # [n, Hkv, L, D]
         v = v.view(b.end - b.start, b.max_len, num_kv_heads, -1).transpose(1, 2)
         if lse is None:
@@ -124,7 +124,7 @@ def _shared_prefixes(p: SharedPrefixes, read: "_Reader", qd: torch.Tensor, scali
     lse = -inf and out = 0 for a row in no group."""
     num_rows, num_kv_heads, rep, head_dim = qd.shape
     groups, size = p.num_groups, p.group_size
-    k, v = read(p.read_index)  # [G * P, Hkv, D]
+    k, v = read.pages(p.pages)  # [G * P, Hkv, D]
     k = k.view(groups, p.max_len, num_kv_heads, -1).transpose(1, 2)  # [G, Hkv, P, D]
     v = v.view(groups, p.max_len, num_kv_heads, -1).transpose(1, 2)
     slots = qd if p.slots is None else qd.index_select(0, p.slots)  # [G * size, Hkv, rep, D]
@@ -142,25 +142,37 @@ def _shared_prefixes(p: SharedPrefixes, read: "_Reader", qd: torch.Tensor, scali
 
 
 class _Reader:
-    """Reads cache rows of one layer into a workspace kept on the cache and reused by every read of every layer and
-    step (grown when a read needs more). Each read is consumed by its SDPA before the next one, so one buffer for
-    keys and one for values suffice. Fresh tensors per read cost more than the copy itself on CPU: buffers of a few
-    MiB come from mmap and are returned at free, so every read page-faulted its output in again."""
+    """Reads cache rows (`__call__`, by token) or whole pages (`pages`) of one layer into a workspace kept on the cache
+    and reused by every read of every layer and step (grown when a read needs more). Each read is consumed by its SDPA
+    before the next one, so one buffer for keys and one for values suffice. Fresh tensors per read cost more than the
+    copy itself on CPU: buffers of a few MiB come from mmap and are returned at free, so every read page-faulted its
+    output in again. A page (page_size consecutive rows) is one copy instead of page_size: 1.5-1.7x faster reads."""
 
     def __init__(self, cache: PagedAttentionCache, allocator, layer: int) -> None:
         self.keys, self.values = allocator._kv_token_views[layer]  # [cache rows, Hkv, D] views of the paged cache
+        self.page = allocator.tokens_per_page
         self.num_kv_heads = allocator.num_key_value_heads
         spaces = cache.__dict__.setdefault("_rollout_workspace", {})
         self.space = spaces.setdefault(allocator.index, [self.keys.new_empty(0), self.values.new_empty(0)])
 
-    def __call__(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = index.numel()
+    def _workspace(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.space[0].shape[0] < rows:
             size = rows + rows // 4
             self.space[:] = [self.keys.new_empty((size,) + self.keys.shape[1:]),
                              self.values.new_empty((size,) + self.values.shape[1:])]
-        return (torch.index_select(self.keys, 0, index, out=self.space[0][:rows]),
-                torch.index_select(self.values, 0, index, out=self.space[1][:rows]))
+        return self.space[0][:rows], self.space[1][:rows]
+
+    def __call__(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self._workspace(index.numel())
+        return (torch.index_select(self.keys, 0, index, out=k), torch.index_select(self.values, 0, index, out=v))
+
+    def pages(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of these pages, in order: [pages * page_size, Hkv, D]."""
+        k, v = self._workspace(pages.numel() * self.page)
+        shape = (-1, self.page) + self.keys.shape[1:]
+        torch.index_select(self.keys.view(shape), 0, pages, out=k.view(shape))
+        torch.index_select(self.values.view(shape), 0, pages, out=v.view(shape))
+        return k, v
 
 
 def _attention_with_lse(q, k, v, mask, scaling):

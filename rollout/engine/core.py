@@ -34,6 +34,7 @@ from ..batch import Row
 from ..config import WorkerConfig, check_in_flight
 from ..params import SamplingParams
 from . import memory  # noqa: F401  (patches upstream's memory plan for rollout_paged)
+from .blocktable import RolloutCache  # also keeps upstream's decode fast path on for rollout_paged
 from . import switch
 from .call import Call, Sample
 from .ledger import Ledger
@@ -103,7 +104,7 @@ class Engine:
             max_batch_tokens=self.config.max_batch_tokens, max_requests_per_batch=self.config.max_requests_per_batch,
             allow_block_sharing=self.config.prefix_caching, use_async_batching=graphs, use_cuda_graph=graphs,
             scheduler_type=SCHEDULER_NAME, return_logprobs=True, auto_switch_to_flash=False,
-            max_blocks_per_request=cuda.decode_fast_path_blocks(self.model, self.config, blocks))
+            max_blocks_per_request=sizing.block_table_width(self.model, self.config, blocks))
         table = SlotTable(self.model.device, SLOTS_PER_BATCH_ROW * self.config.max_requests_per_batch, self._row_spec,
                           lambda request_id: request_id in self._pending)
         was_training = self.model.training
@@ -111,6 +112,7 @@ class Engine:
         manager.output_router = RolloutRouter(self._on_output)
         manager.batch_processor = manager._create_batch_processor()
         manager.batch_processor.scheduler.on_prefix_hit = self._on_prefix_hit
+        RolloutCache.adopt(manager.batch_processor.cache)
         RolloutModelRunner.adopt(manager.batch_processor.model_runner)
         RolloutIOs.adopt(manager.batch_processor.inputs_and_outputs, self._record)
         table.stream = manager.batch_processor.inputs_and_outputs.compute_stream

@@ -1,5 +1,5 @@
-"""What the engine turns on for a CUDA device: flash attention by default, upstream's decode fast path, CUDA graphs
-and async batching. Nothing here runs on CPU (each choice is off there); none of it has been run on a GPU by this
+"""What the engine turns on for a CUDA device: flash attention by default, CUDA graphs and async batching (the decode
+fast path's block tables: sizing.block_table_width). Nothing here runs on CPU (each choice is off there); none of it has been run on a GPU by this
 project's tests, which is why each choice sits behind a guard that names what it needs (`device.type == "cuda"`, a
 flash attention) and `WorkerConfig(cuda_graphs="off")` turns the captures off.
 """
@@ -7,7 +7,6 @@ flash attention) and `WorkerConfig(cuda_graphs="off")` turns the captures off.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 from transformers.utils import is_flash_attn_2_available
@@ -48,15 +47,3 @@ def captures(model, config) -> bool:
     (upstream's own rule)."""
     return (model.device.type == "cuda" and config.cuda_graphs == "auto"
             and is_flash_attention_requested(model.config))
-
-
-def decode_fast_path_blocks(model, config, num_blocks: int) -> int:
-    """max_blocks_per_request, the block-table width of upstream's decode fast path (flash_attn_with_kvcache on CUDA):
-    enough pages for the longest request (config.max_request_tokens, else the model's context, within the cache);
-    0 turns the path off, as it is everywhere but flash on CUDA. Requests longer than it decode on the varlen path."""
-    if model.device.type != "cuda" or not is_flash_attention_requested(model.config):
-        return 0
-    longest = config.max_request_tokens or getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    if longest is None:
-        return num_blocks
-    return min(num_blocks, math.ceil(longest / config.page_size) + 1)

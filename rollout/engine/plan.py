@@ -26,8 +26,8 @@ class DecodeBucket:
 
     start: int
     end: int
-    read_index: torch.Tensor  # [n * max_len] physical cache rows of the grid (padding repeats a row's last key)
-    max_len: int
+    pages: torch.Tensor  # [n * max_len / page] cache pages of the grid (padding repeats a row's last page)
+    max_len: int  # keys per row read: whole pages
     mask: torch.Tensor | None  # [n, 1, 1, max_len] additive (0 / -inf); None when every row has max_len keys
 
 
@@ -40,7 +40,7 @@ class SharedPrefixes:
     Queries sit in a [groups, group_size] slot grid (a smaller group repeats one of its rows in its spare slots, whose
     outputs are dropped)."""
 
-    read_index: torch.Tensor  # [G * max_len] physical cache rows (padding repeats a group's last shared key)
+    pages: torch.Tensor  # [G * max_len / page] cache pages (padding repeats a group's last shared page)
     max_len: int
     mask: torch.Tensor | None  # [G, 1, 1, max_len] additive (0 / -inf); None when every group has max_len keys
     num_groups: int
@@ -80,6 +80,7 @@ class Plan:
     prefill: list[PrefillRow] = field(default_factory=list)
     sliding_window: int | None = None
     rows: list[tuple[int, int, int, int]] = field(default_factory=list)  # sliding layers: (q0, q1, k0, k1) per row
+    write_index: torch.Tensor | None = None  # block-table steps: the cache row of each row's new key and value
 
 
 def plan_for(cache: PagedAttentionCache, allocator, kwargs) -> Plan:
@@ -109,6 +110,9 @@ def _build_plan(allocator, kwargs) -> Plan:
         window = getattr(allocator, "sliding_window", None) or 0
         rows = [(sq, sq + lq, sk, sk + lk) for sq, sk, (lq, lk) in zip(starts_q, starts_k, lengths)]
         return Plan(sliding_window=window, rows=rows)
+    table = kwargs.get("block_table")
+    if table is not None:  # a decode-only step described by block tables (upstream's decode fast path)
+        return _plan_block_table(table[allocator.index], live, starts_q, [lk for _, lk in lengths], allocator)
     if read_index.numel() == 0:
         # no cache reads: the keys are the step's own tokens, laid out like the queries; every row is a fresh prefill
         return Plan(prefill=[PrefillRow(sq, sq + lq, None, None) for sq, (lq, _) in zip(starts_q, lengths)])
@@ -116,7 +120,9 @@ def _build_plan(allocator, kwargs) -> Plan:
     plan = Plan()
     decode_rows = [i for i, (lq, _) in enumerate(lengths) if lq == 1]
     if decode_rows:
-        plan.decode = _plan_decode(decode_rows, starts_q, starts_k, [lk for _, lk in lengths], read_index, allocator)
+        key_lens = [lengths[i][1] for i in decode_rows]
+        pages = _row_pages([starts_k[i] for i in decode_rows], key_lens, read_index, allocator.tokens_per_page)
+        plan.decode = _plan_decode(pages, key_lens, [starts_q[i] for i in decode_rows], allocator)
     for i, (lq, lk) in enumerate(lengths):
         if lq > 1:
             mask = None if lq == lk else bottom_right_causal(lq, lk, device)
@@ -125,70 +131,108 @@ def _build_plan(allocator, kwargs) -> Plan:
     return plan
 
 
-def _plan_decode(rows: list[int], starts_q: list[int], starts_k: list[int], key_lens: list[int],
-                 read_index: torch.Tensor, allocator) -> Decode:
-    """Shared prefixes first (CPU only: merging needs the log-sum-exp that the CPU flash kernel returns), then
-    buckets over each row's own keys, sorted by their number."""
-    device = read_index.device
-    offset = dict.fromkeys(rows, 0)  # keys of a row before `offset` are read through its shared prefix
-    groups = []
-    if device.type == "cpu" and len(rows) > 1:
-        by_first: dict[int, list[int]] = {}
-        first = read_index[torch.tensor([starts_k[i] for i in rows], device=device)].tolist()
-        for i, f in zip(rows, first):
-            by_first.setdefault(f, []).append(i)
-        for members in by_first.values():
-            span = min(key_lens[i] for i in members) - 1  # every row keeps at least its newest key
-            if len(members) < 2 or span * (len(members) - 1) < CALL_TOKENS:
-                continue
-            seg = torch.stack([read_index[starts_k[i]: starts_k[i] + span] for i in members])  # [n, span]
-            common = int((seg == seg[0]).all(0).int().cumprod(0).sum())
-            if common * (len(members) - 1) >= CALL_TOKENS:  # the reads saved pay for one more call
-                groups.append((members, common))
-                offset.update(dict.fromkeys(members, common))
-    own = {i: key_lens[i] - offset[i] for i in rows}
-    order = sorted(rows, key=lambda i: own[i])
-    query_pos = [starts_q[i] for i in order]
+def _plan_block_table(table: torch.Tensor, live: list[int], starts_q: list[int], key_lens: list[int],
+                      allocator) -> Plan:
+    """Every row decodes one token. `table` [sequences, width] holds each row's pages in order (upstream fills it: -1
+    past a row's last page), indices of the pages of a layer's cache view as `_row_pages` gives them; the step's new
+    key and value of a row go to its position key_len - 1."""
+    device = table.device
+    page = allocator.tokens_per_page
+    count = torch.tensor([-(-n // page) for n in key_lens], device=device)
+    cols = torch.minimum(torch.arange(int(count.max()), device=device)[None, :], count[:, None] - 1)
+    pages = table[torch.tensor(live, device=device), : cols.shape[1]].long().gather(1, cols)  # [R, most pages]
+    last = torch.tensor(key_lens, device=device) - 1
+    write = pages.gather(1, (last // page)[:, None]).squeeze(1) * page + last % page
+    return Plan(decode=_plan_decode(pages, key_lens, starts_q, allocator), write_index=write)
+
+
+def _plan_decode(pages: torch.Tensor, key_lens: list[int], starts_q: list[int], allocator) -> Decode:
+    """Decode rows (one query token each) whose keys are in `pages` ([R, most pages], a shorter row repeating its
+    last page): shared prefixes first (CPU only: merging needs the log-sum-exp that the CPU flash kernel returns),
+    then buckets over each row's own keys, sorted by their number. Keys are read by whole pages."""
+    device = pages.device
+    page = allocator.tokens_per_page
+    num_rows = len(key_lens)
+    shared = [0] * num_rows  # pages of a row read through its group's shared prefix
+    groups = _shared_groups(pages, key_lens, page) if device.type == "cpu" and num_rows > 1 else []
+    for members, common in groups:
+        for r in members:
+            shared[r] = common
+    own = [key_lens[r] - shared[r] * page for r in range(num_rows)]  # own keys, from a page boundary
+    order = sorted(range(num_rows), key=lambda r: own[r])
+    query_pos = [starts_q[r] for r in order]
     plan = Decode(query_index=None if query_pos == list(range(len(order))) else torch.tensor(query_pos, device=device))
-    bytes_per_token = 2 * allocator.num_key_value_heads * allocator.head_dim * allocator.cache_dtype.itemsize
+    bytes_per_page = 2 * page * allocator.num_key_value_heads * allocator.head_dim * allocator.cache_dtype.itemsize
+    padded = {r: -(-own[r] // page) * page for r in order}  # what a row reads: its own keys to the end of a page
     start = 0
-    for bucket in _buckets(order, own, bytes_per_token):
-        n, max_len = len(bucket), own[bucket[-1]]
-        key_len = torch.tensor([own[i] for i in bucket], device=device)
-        key_start = torch.tensor([starts_k[i] + offset[i] for i in bucket], device=device)
-        pos = torch.arange(max_len, device=device)
-        # padding reads repeat the row's last key (finite data), masked out
-        grid = key_start[:, None] + torch.minimum(pos[None, :], key_len[:, None] - 1)
-        plan.buckets.append(DecodeBucket(start, start + n, read_index[grid.flatten()], max_len,
-                                   _padding_mask(key_len, max_len, allocator.cache_dtype)))
+    for bucket in _buckets(order, padded, bytes_per_page // page):
+        n, num_pages = len(bucket), padded[bucket[-1]] // page
+        index = torch.tensor(bucket, device=device)
+        first = torch.tensor([shared[r] for r in bucket], device=device)
+        count = torch.tensor([padded[r] // page for r in bucket], device=device)
+        # padding pages repeat the row's last page (finite data), masked out with the rest of that page
+        cols = first[:, None] + torch.minimum(torch.arange(num_pages, device=device)[None, :], count[:, None] - 1)
+        plan.buckets.append(DecodeBucket(start, start + n, pages[index[:, None], cols].flatten(), num_pages * page,
+                                         _padding_mask(torch.tensor([own[r] for r in bucket], device=device),
+                                                       num_pages * page, allocator.cache_dtype)))
         start += n
     if groups:
-        plan.prefix = _plan_prefixes(groups, order, starts_k, read_index, allocator.cache_dtype)
+        plan.prefix = _plan_prefixes(groups, order, pages, page, allocator.cache_dtype)
     return plan
 
 
-def _plan_prefixes(groups: list[tuple[list[int], int]], order: list[int], starts_k: list[int],
-                   read_index: torch.Tensor, dtype: torch.dtype) -> SharedPrefixes:
-    """Lay the shared-prefix groups out as one SDPA: key grid [G, max_len], query slots [G, group_size], groups in
-    decode order, so that lock-step samples (contiguous groups of equal size) need no reordering at all."""
+def _row_pages(starts_k: list[int], key_lens: list[int], read_index: torch.Tensor, page: int) -> torch.Tensor:
+    """[R, most pages] the pages holding each row's keys, in order (a shorter row repeats its last page). A page is
+    `page` consecutive rows of a layer's cache view starting at a multiple of `page` (upstream's paged layout,
+    tests/test_upstream_contract.py), so a row's j-th page is the one holding its key j * page."""
     device = read_index.device
-    position = {i: r for r, i in enumerate(order)}
-    groups = sorted((sorted(position[i] for i in members), common) for members, common in groups)
-    size, max_len = max(len(rows) for rows, _ in groups), max(common for _, common in groups)
+    count = torch.tensor([-(-n // page) for n in key_lens])
+    j = torch.minimum(torch.arange(int(count.max()))[None, :], count[:, None] - 1)
+    physical = read_index[(torch.tensor(starts_k)[:, None] + j * page).to(device)]
+    if bool((physical % page).any()):
+        raise RuntimeError("rollout_paged: a cache page does not start at a multiple of the page size; the paged "
+                           "cache layout of this transformers version is not the one rollout_paged reads")
+    return physical // page
+
+
+def _shared_groups(pages: torch.Tensor, key_lens: list[int], page: int) -> list[tuple[list[int], int]]:
+    """Rows whose first pages are the very same pages (forked samples, prefix-cache hits), with the number of pages
+    they share; only groups where the reads saved pay for one more SDPA call."""
+    by_first: dict[int, list[int]] = {}
+    for r, f in enumerate(pages[:, 0].tolist()):
+        by_first.setdefault(f, []).append(r)
+    groups = []
+    for members in by_first.values():
+        span = (min(key_lens[r] for r in members) - 1) // page  # every row keeps its newest key's page
+        if len(members) < 2 or span * page * (len(members) - 1) < CALL_TOKENS:
+            continue
+        seg = pages[members, :span]  # [n, span]
+        common = int((seg == seg[0]).all(0).int().cumprod(0).sum())
+        if common * page * (len(members) - 1) >= CALL_TOKENS:  # the reads saved pay for one more call
+            groups.append((members, common))
+    return groups
+
+
+def _plan_prefixes(groups: list[tuple[list[int], int]], order: list[int], pages: torch.Tensor, page: int,
+                   dtype: torch.dtype) -> SharedPrefixes:
+    """Lay the shared-prefix groups out as one SDPA: page grid [G, most pages], query slots [G, group_size], groups in
+    decode order, so that lock-step samples (contiguous groups of equal size) need no reordering at all."""
+    device = pages.device
+    position = {r: k for k, r in enumerate(order)}
+    groups = sorted((sorted(position[r] for r in members), members[0], common) for members, common in groups)
+    size, most = max(len(slots) for slots, _, _ in groups), max(common for _, _, common in groups)
     slots, grid, row_slot = [], [], [size * len(groups)] * len(order)
-    for rows, common in groups:
-        for row in rows:
+    for members, first, common in groups:
+        for row in members:
             row_slot[row] = len(slots)
             slots.append(row)
-        slots += [rows[0]] * (size - len(rows))  # spare slots: any row of the group, outputs dropped
-        first_key = starts_k[order[rows[0]]]
-        grid += list(range(first_key, first_key + common)) + [first_key + common - 1] * (max_len - common)
-    mask = _padding_mask(torch.tensor([common for _, common in groups], device=device), max_len, dtype)
+        slots += [members[0]] * (size - len(members))  # spare slots: any row of the group, outputs dropped
+        grid.append(pages[first, torch.clamp(torch.arange(most, device=device), max=common - 1)])
+    mask = _padding_mask(torch.tensor([common * page for _, _, common in groups], device=device), most * page, dtype)
     identity = list(range(len(order)))
     exact = len(slots) == len(order)  # every row in a group, no spare slot: the slot grid is the decode order
-    return SharedPrefixes(read_index=read_index[torch.tensor(grid, device=device)], max_len=max_len, mask=mask,
-                          num_groups=len(groups), group_size=size,
-                          slots=None if exact and slots == identity else torch.tensor(slots, device=device),
+    return SharedPrefixes(pages=torch.stack(grid).flatten(), max_len=most * page, mask=mask, num_groups=len(groups),
+                          group_size=size, slots=None if exact and slots == identity else torch.tensor(slots, device=device),
                           row_slot=None if exact and row_slot == identity else torch.tensor(row_slot, device=device))
 
 

@@ -7,9 +7,11 @@ import math
 
 import torch
 from transformers.generation.continuous_batching.utils import attn_mask_is_needed
+from transformers.utils.generic import is_flash_attention_requested
 
 from ..config import WorkerConfig
 from ..errors import invalid
+from .attention import NAME
 
 MIN_BLOCKS = 4
 
@@ -79,3 +81,19 @@ def check_request_fits(config: WorkerConfig, model, blocks: int, fits: int) -> N
                   f"{kv_bytes_per_token(model)} bytes per token) holds one request of at most {fits} tokens",
                   f"give the cache kv_cache_memory_mb >= {need_mb} (or num_blocks >= {need_blocks}){cap}, or send "
                   f"requests of at most {fits} tokens and set max_request_tokens <= {fits}")
+
+
+def block_table_width(model, config: WorkerConfig, num_blocks: int) -> int:
+    """max_blocks_per_request: the block-table width of upstream's decode fast path, in which a decode-only step passes
+    each request's pages instead of per-token read and write indices (building those in Python cost 6% of a step at
+    128 rows). On for attentions that read and write pages themselves: `rollout_paged` on any device, flash on CUDA
+    (flash_attn_with_kvcache); 0 turns it off. Wide enough for the longest request (config.max_request_tokens, else
+    the model's context, within the cache); longer requests decode on the varlen path."""
+    pages_itself = model.config._attn_implementation == NAME or (
+        model.device.type == "cuda" and is_flash_attention_requested(model.config))
+    if not pages_itself:
+        return 0
+    longest = config.max_request_tokens or getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if longest is None:
+        return num_blocks
+    return min(num_blocks, math.ceil(longest / config.page_size) + 1)
