@@ -1,6 +1,7 @@
-"""RolloutBatch: the result of one `generate` call, one row per sample, prompt-major.
+"""RolloutBatch: the result of one `generate` call, one row per sample (per segment of an episode), prompt-major.
 
-Rows are ordered prompt by prompt (all samples of prompt 0, then prompt 1, ...). Tensors are right-padded to the
+Rows are ordered prompt by prompt (all samples of prompt 0, then prompt 1, ...); the rows of one episode (its
+segments, when its environment restarted it from a new context) are consecutive, in order. Tensors are right-padded to the
 longest completion; `completion_mask` marks real tokens. Padding positions hold `pad_token_id` in
 `completion_ids` and 0.0 in both logprob tensors.
 """
@@ -32,6 +33,8 @@ class Row:
     token_versions: list[int] | None = None  # per completion token (-1 on observations); None: all policy_version
     prompt_tokens: int = 0  # tokens the row's engine requests were prompted with (n samples: on sample 0's row)
     reused_tokens: int = 0  # of those, served by the prefix cache
+    segment_index: int = 0  # which segment of its episode (0 without an environment)
+    turn_rewards: list[float] | None = None  # per completion token: a turn's reward on its last token; None: zeros
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,14 @@ class RolloutBatch:
     rewards: (R,) float32, the sum of each episode's turn rewards (0 without an environment).
     num_turns: (R,) int64, model turns of each row (1 without an environment).
     errors: R strings, why an episode ended with "error" ("" otherwise).
+    episode_index: (R,) int64, which episode (sample) each row belongs to, counted in row order: 0, 1, ... one per
+        (prompt_index, sample_index); the rows of one episode are consecutive. Equal to the row index unless an
+        episode has several segments.
+    segment_index: (R,) int64, which segment of its episode each row is (0 unless an environment restarted the
+        episode from new `context_ids`). `prompt_ids` is the segment's own prompt; `rewards`, `finish_reason`,
+        `num_turns` and `errors` are the episode's, repeated on each of its rows.
+    turn_rewards: (R, T) float32, each turn's reward on that turn's last model token, 0.0 elsewhere; summed over an
+        episode's rows they give its `rewards`.
     stats: counts of the call: `prompt_tokens` (what its engine requests were prompted with, every turn of an
         episode counted), `reused_tokens` (of those, served by the prefix cache), `prefill_tokens` (the rest).
     """
@@ -76,6 +87,9 @@ class RolloutBatch:
     rewards: torch.Tensor
     num_turns: torch.Tensor
     errors: list[str]
+    episode_index: torch.Tensor
+    segment_index: torch.Tensor
+    turn_rewards: torch.Tensor
     stats: dict[str, int] = field(default_factory=dict, compare=False)
     tokenizer: Any = field(default=None, repr=False, compare=False)
 
@@ -89,6 +103,7 @@ class RolloutBatch:
         sampling = torch.zeros((num, width), dtype=torch.float32)
         action = torch.zeros((num, width), dtype=torch.bool)
         versions = torch.full((num, width), -1, dtype=torch.long)
+        turn_rewards = torch.zeros((num, width), dtype=torch.float32)
         for i, row in enumerate(rows):
             length = len(row.completion_ids)
             ids[i, :length] = torch.tensor(row.completion_ids, dtype=torch.long)
@@ -98,6 +113,8 @@ class RolloutBatch:
                 torch.tensor(row.token_versions, dtype=torch.long)
             logprobs[i, :length] = torch.tensor(row.logprobs, dtype=torch.float32)
             sampling[i, :length] = torch.tensor(row.sampling_logprobs, dtype=torch.float32)
+            if row.turn_rewards is not None:
+                turn_rewards[i, :length] = torch.tensor(row.turn_rewards, dtype=torch.float32)
         return cls(
             prompt_ids=[list(r.prompt_ids) for r in rows],
             prompt_index=torch.tensor([r.prompt_index for r in rows], dtype=torch.long),
@@ -114,6 +131,9 @@ class RolloutBatch:
             rewards=torch.tensor([r.reward for r in rows], dtype=torch.float32),
             num_turns=torch.tensor([r.num_turns for r in rows], dtype=torch.long),
             errors=[r.error for r in rows],
+            episode_index=_episode_index(rows),
+            segment_index=torch.tensor([r.segment_index for r in rows], dtype=torch.long),
+            turn_rewards=turn_rewards,
             stats=_stats(rows),
             tokenizer=tokenizer,
         )
@@ -139,7 +159,8 @@ class RolloutBatch:
                 finish_reason=self.finish_reason[i], policy_version=int(self.policy_version[i]),
                 action_mask=self.action_mask[i, :length].tolist(), reward=float(self.rewards[i]),
                 token_versions=self.token_versions[i, :length].tolist(),
-                num_turns=int(self.num_turns[i]), error=self.errors[i], **self._row_stats(i)))
+                num_turns=int(self.num_turns[i]), error=self.errors[i], segment_index=int(self.segment_index[i]),
+                turn_rewards=self.turn_rewards[i, :length].tolist(), **self._row_stats(i)))
         return out
 
     def _row_stats(self, i: int) -> dict[str, int]:
@@ -166,6 +187,16 @@ class RolloutBatch:
             raise ValueError("tokenizer=None is invalid: decoding needs a tokenizer. Fix: pass tokenizer=... here or "
                              "to RolloutWorker.")
         return tok
+
+
+def _episode_index(rows: Sequence[Row]) -> torch.Tensor:
+    """A new episode starts at every row whose (prompt_index, sample_index) differs from the row before."""
+    index, previous = [], None
+    for r in rows:
+        key = (r.prompt_index, r.sample_index)
+        index.append(index[-1] + (key != previous) if index else 0)
+        previous = key
+    return torch.tensor(index, dtype=torch.long)
 
 
 def _stats(rows: Sequence[Row]) -> dict[str, int]:

@@ -8,8 +8,10 @@
 
 After each model turn the engine calls `step` with that turn's tokens (its stop token included) off the engine thread.
 Unless the Turn says `done` (or the episode is out of turns or tokens), its observation tokens are appended and the
-model's next turn is generated from the whole history. Token ids in, token ids out: the model's own tokens are never
-re-tokenized. This module knows nothing about tokenizers (see rollout.tools for a chat-level environment).
+model's next turn is generated from the whole history; or, when the Turn carries `context_ids` (the whole chat
+rendered again, e.g. by a template that drops earlier reasoning), from exactly those tokens: the episode then has
+several segments, one batch row each. Token ids in, token ids out: the model's own tokens are never re-tokenized.
+This module knows nothing about tokenizers (see rollout.tools for a chat-level environment).
 """
 
 from __future__ import annotations
@@ -22,28 +24,47 @@ from typing import Any, Protocol, runtime_checkable
 from .errors import check_int, invalid, preview
 
 
+def _token_ids(name: str, ids: Any, fix: str) -> list[int]:
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or \
+            not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise invalid(name, preview(ids), "must be a list of int token ids", fix)
+    return list(ids)
+
+
 @dataclass(frozen=True)
 class Turn:
     """What an environment answers to one model turn.
 
     observation_ids: tokens appended after the model's turn (masked out of the loss); ignored when the episode ends.
-    reward: this turn's reward; an episode's reward is the sum over its turns.
+    reward: this turn's reward (on the turn's last model token in `batch.turn_rewards`); an episode's reward is the
+        sum over its turns.
     done: the episode ends after this turn (finish_reason "done").
+    context_ids: None, or the exact tokens the next model turn is generated from (the whole chat rendered again,
+        generation prompt included), instead of the history plus `observation_ids`. If they extend the history, the
+        rest is the observation (one segment goes on); otherwise the next turn starts a new segment (a new row).
+        Give either `observation_ids` or `context_ids`, not both.
     """
 
     observation_ids: Sequence[int] = field(default_factory=list)
     reward: float = 0.0
     done: bool = False
+    context_ids: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
-        ids = self.observation_ids
-        if hasattr(ids, "tolist"):
-            ids = ids.tolist()
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or \
-                not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise invalid("observation_ids", preview(ids), "must be a list of int token ids",
-                          "tokenize the observation and return its ids")
-        object.__setattr__(self, "observation_ids", list(ids))
+        object.__setattr__(self, "observation_ids", _token_ids("observation_ids", self.observation_ids,
+                                                               "tokenize the observation and return its ids"))
+        if self.context_ids is not None:
+            context = _token_ids("context_ids", self.context_ids, "return the re-rendered chat's token ids")
+            if not context:
+                raise invalid("context_ids", context, "must hold at least one token when given",
+                              "return None to go on from the history, or the whole re-rendered chat")
+            if self.observation_ids:
+                raise invalid("observation_ids", preview(self.observation_ids), "must be empty when context_ids is "
+                              "given (the context already holds the observation)",
+                              "return either observation_ids or context_ids")
+            object.__setattr__(self, "context_ids", context)
         if isinstance(self.reward, bool) or not isinstance(self.reward, (int, float)) or not math.isfinite(self.reward):
             raise invalid("reward", self.reward, "must be a finite number", "return e.g. 0.0 or 1.0")
         object.__setattr__(self, "reward", float(self.reward))

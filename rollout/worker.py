@@ -134,7 +134,8 @@ class RolloutWorker:
         return future
 
     def _batch_of(self, call: Call) -> RolloutBatch:
-        rows = sorted((s.row for s in call.samples), key=lambda r: (r.prompt_index, r.sample_index))
+        rows = sorted((r for s in call.samples for r in s.rows()),
+                      key=lambda r: (r.prompt_index, r.sample_index, r.segment_index))
         return RolloutBatch.from_rows(rows, pad_token_id=pad_token_id(self.tokenizer), tokenizer=self.tokenizer)
 
     def _prepare(self, prompts, sampling, chat_template, spec: EpisodeSpec | None = None) -> list[list[Sample]]:
@@ -147,14 +148,15 @@ class RolloutWorker:
         for i, (ids, p) in enumerate(zip(token_lists, params)):
             stop = () if p.ignore_eos else (p.stop_token_ids if p.stop_token_ids is not None else self.default_stop_ids)
             budget = None if spec is None else spec.budget(len(ids), limit, f"prompt {i}")
-            groups.append([Sample(None, i, j, ids, p, tuple(stop), episode=self._episode(spec, budget))
+            groups.append([Sample(None, i, j, ids, p, tuple(stop), episode=self._episode(spec, budget, ids, limit))
                            for j in range(p.n)])
         return groups
 
-    def _episode(self, spec: EpisodeSpec | None, budget: int | None) -> Episode | None:
+    def _episode(self, spec: EpisodeSpec | None, budget: int | None, prompt: list[int], limit: int) -> Episode | None:
         if spec is None:
             return None
-        return Episode(spec.env, spec.max_turns, budget, self.vocab_size, spec.env_timeout)
+        return Episode(spec.env, spec.max_turns, budget, self.vocab_size, spec.env_timeout, prompt=list(prompt),
+                       limit=limit, cap=spec.max_episode_tokens)
 
     def _enter_generation_mode(self) -> None:
         """Eval mode and the engine's attention while any call is in flight (counted, so concurrent calls keep

@@ -24,15 +24,20 @@ class Sample:
     stop_ids: tuple[int, ...]
     attempts: int = 0
     version: int = 0  # the policy version when its current engine request was submitted
-    row: Row | None = None
+    row: Row | None = None  # set when the sample is finished: its row (an episode's: its last segment's)
+    segment_rows: list[Row] = field(default_factory=list)  # an episode's earlier segments' rows
     error: str | None = None
     episode: Episode | None = None
     prompt_tokens: int = 0  # tokens its engine requests were prompted with (forked samples: on the head sample)
     reused_tokens: int = 0  # of those, tokens served by the prefix cache instead of prefilled
 
     def context(self) -> list[int]:
-        """What the next engine request is prompted with: the prompt, plus an episode's history so far."""
-        return self.prompt_ids if self.episode is None else self.prompt_ids + self.episode.tokens
+        """What the next engine request is prompted with: the prompt, or an episode's current segment so far."""
+        return self.prompt_ids if self.episode is None else self.episode.context()
+
+    def rows(self) -> list[Row]:
+        """The finished sample's rows: one, or one per segment of an episode."""
+        return [*self.segment_rows, self.row]
 
     def budget(self) -> int:
         """New tokens the next engine request may generate."""

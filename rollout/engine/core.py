@@ -282,12 +282,8 @@ class Engine:
     def _end_episode(self, sample: Sample) -> None:
         episode = sample.episode
         self._stepper.close_env(episode.env)
-        sample.row = Row(sample.prompt_index, sample.sample_index, sample.prompt_ids, list(episode.tokens),
-                         list(episode.logprobs), list(episode.sampling_logprobs), episode.finish_reason,
-                         min(v for v in episode.token_versions if v >= 0), action_mask=list(episode.action_mask),
-                         reward=episode.reward, num_turns=episode.num_turns, error=episode.error,
-                         prompt_tokens=sample.prompt_tokens, reused_tokens=sample.reused_tokens,
-                         token_versions=list(episode.token_versions))
+        *sample.segment_rows, sample.row = episode.rows(sample.prompt_index, sample.sample_index,
+                                                        sample.prompt_tokens, sample.reused_tokens)
 
     # ------------------------------------------------------------------ submission and waiting
     def submit(self, samples_by_prompt: list[list[Sample]], call: Call) -> None:

@@ -95,8 +95,9 @@ class FleetActor:
         finally:
             self.busy = False
         grouped: list[list] = [[] for _ in prompts]
-        for row in batch.rows():
-            grouped[row.prompt_index].append(dataclasses.replace(row, prompt_ids=[]))
+        for row in batch.rows():  # the fleet knows each episode's first prompt; a later segment's travels
+            grouped[row.prompt_index].append(dataclasses.replace(row, prompt_ids=[]) if row.segment_index == 0
+                                             else row)
         self.num_calls += 1
         self.num_rows += len(batch)
         return grouped

@@ -145,8 +145,10 @@ class RolloutFleet:
             return actor.generate.remote([token_lists[j] for j in jobs], [params[j] for j in jobs], spec, jobs)
 
         grouped = self._scatter(costs, submit, timeout, [p.n for p in params], "generate", ("prompts", "rows"), cancel)
-        rows = [dataclasses.replace(row, prompt_index=j, prompt_ids=list(token_lists[j]))
-                for j in range(len(token_lists)) for row in sorted(grouped[j], key=lambda r: r.sample_index)]
+        rows = [dataclasses.replace(row, prompt_index=j,
+                                    prompt_ids=list(token_lists[j]) if row.segment_index == 0 else row.prompt_ids)
+                for j in range(len(token_lists))
+                for row in sorted(grouped[j], key=lambda r: (r.sample_index, r.segment_index))]
         newest = max((max(r.token_versions or [r.policy_version]) for r in rows), default=0)
         if newest > self.version:
             raise RuntimeError(f"rollout bug: a row from version {newest}, fleet is at {self.version}")
