@@ -8,7 +8,10 @@ episode is done, with `reward_fn(messages)` as its reward. Otherwise every call 
 caller's loop, plain ones in a daemon thread, so neither blocks other episodes), the results are appended as tool
 messages, and the observation is the chat template's rendering of them plus the next assistant header: the
 conversation rendered before and after appending them, differenced. The model's own tokens are never re-tokenized:
-the engine keeps them as generated, and only the tool messages become new tokens.
+the engine keeps them as generated, and only the tool messages become new tokens. When the template rewrites history
+(the later rendering changes tokens before the tool messages, as templates that drop earlier reasoning do), the step
+answers the whole new rendering as `Turn(context_ids=...)`: the next turn is generated from exactly what the model
+would see at serving time, and starts a new segment (a new row) of the episode.
 
 A malformed call (the parser rejects the turn, an unknown tool, arguments that are not a JSON object or do not fit
 the signature, a tool that raises or exceeds `timeout`) becomes a tool message `{"error": "..."}` the model sees,
@@ -78,7 +81,8 @@ class ToolEnvironment:
             return Turn(reward=await self._reward(), done=True)
         self.num_calls += len(calls)
         results = await asyncio.gather(*(self._call(call) for call in calls))
-        return Turn(observation_ids=self._observe(results, ids[-1] if ids else None))
+        observation, context = self._observe(results, ids[-1] if ids else None)
+        return Turn(observation_ids=observation) if context is None else Turn(context_ids=context)
 
     def _parse(self, ids: list[int]) -> tuple[Message, list]:
         """The model's turn as an assistant message and its calls. A turn the parser rejects, or with a call not
@@ -131,21 +135,19 @@ class ToolEnvironment:
             raise _BadCall(f"bad arguments for {name!r}: {error}") from None
         return self.tools[name], arguments
 
-    def _observe(self, tool_messages: list[Message], stop: int | None) -> list[int]:
-        """The tokens after the model's turn: the chat rendered with the tool messages and the next assistant
-        header, minus the chat rendered up to the end of the model's turn."""
+    def _observe(self, tool_messages: list[Message], stop: int | None) -> tuple[list[int], list[int] | None]:
+        """(observation, None): the tokens after the model's turn, i.e. the chat rendered with the tool messages and
+        the next assistant header, minus the chat rendered up to the end of the model's turn. ([], context): when
+        that rendering changed the tokens before the cut (a template that rewrites history, e.g. one dropping
+        earlier reasoning), the whole new rendering, which the next turn is generated from."""
         before = self._render(self.messages, add_generation_prompt=False)
         self.messages.extend(tool_messages)
         after = self._render(self.messages, add_generation_prompt=True)
         cut = _end_of_turn(before, len(self._context), stop, set(self.tokenizer.added_tokens_decoder))
-        if after[:cut] != before[:cut]:
-            raise ValueError(
-                "the chat template is not prefix-preserving: rendering the tool messages changed the tokens before "
-                f"them (first difference at token {_first_difference(before[:cut], after)}). Fix: use a template "
-                "that renders earlier messages the same whatever follows (TRL's get_training_chat_template patches "
-                "common ones).")
         self._context = after
-        return after[cut:]
+        if after[:cut] != before[:cut]:
+            return [], after
+        return after[cut:], None
 
     def _render(self, messages: list[Message], add_generation_prompt: bool) -> list[int]:
         # sanitize_control_tokens: a tool result that contains e.g. "<|end|>" is text, it cannot close the turn
@@ -245,7 +247,3 @@ def _well_formed(call) -> bool:
 
 def _error(text: str) -> str:
     return json.dumps({"error": text})
-
-
-def _first_difference(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from rollout.env import Environment, Turn
-from rollout.testing import build_chat_tokenizer
+from rollout.testing import build_chat_tokenizer, build_reasoning_chat_tokenizer
 from rollout.tools import ToolEnvironment
 
 PROMPT = [{"role": "user", "content": "what is two plus three"}]
@@ -49,6 +49,11 @@ def fail(reason: str) -> str:
 @pytest.fixture(scope="module")
 def tok():
     return build_chat_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def reasoner():
+    return build_reasoning_chat_tokenizer()
 
 
 def call(name: str, **arguments) -> str:
@@ -243,12 +248,45 @@ def test_without_prompt_messages_the_first_turn_still_parses(tok):
     assert tok.decode(turn.observation_ids) == "<|tool|>3<|end|><|assistant|>"
 
 
-def test_a_template_that_is_not_prefix_preserving_is_a_clear_error(tok):
+def test_a_template_that_is_not_prefix_preserving_answers_the_whole_new_rendering(tok):
     tok = copy.deepcopy(tok)
     tok.chat_template = "{{ messages | length }}" + tok.chat_template  # earlier tokens change as messages are added
     env = ToolEnvironment(tok, tools=[add], messages=PROMPT)
-    with pytest.raises(ValueError, match="not prefix-preserving"):
-        step(env, call("add", a=1, b=2) + "<|end|>")
+    turn = step(env, call("add", a=1, b=2) + "<|end|>")
+    assert turn.observation_ids == [] and not turn.done
+    assert turn.context_ids == render(tok, env.messages, True)
+    assert tok.decode(turn.context_ids).startswith("3")
+
+
+def reasoning_turn(thought: str, body: str) -> str:
+    return f"<think>{thought}</think>{body}<|end|>"
+
+
+def test_a_reasoning_template_drops_earlier_thoughts_so_the_next_turn_restarts_from_the_new_chat(reasoner):
+    env = ToolEnvironment(reasoner, tools=[add], messages=PROMPT)
+    first = reasoner.encode(reasoning_turn("I should add", call("add", a=2, b=3)))
+    turn = step(env, first)
+    assert turn.observation_ids == [] and not turn.done and env.num_calls == 1
+    assistant = env.messages[1]
+    assert assistant["reasoning_content"] == "I should add" and assistant["tool_calls"]
+    context = render(reasoner, env.messages, True)
+    assert turn.context_ids == context
+    text = reasoner.decode(context)
+    assert "I should add" not in text and "<think>" not in text  # the earlier reasoning is gone
+    assert text.endswith("<|tool|>5<|end|><|assistant|>")
+    # the prompt is still a prefix: only the model's turn was rewritten
+    prompt = render(reasoner, PROMPT, True)
+    assert context[: len(prompt)] == prompt and context[: len(prompt) + len(first)] != prompt + first
+    # the next turn parses against the new rendering and, when it answers, ends the episode
+    second = step(env, reasoner.encode(reasoning_turn("five it is", "5")))
+    assert second.done and env.messages[-1]["content"] == "5" and env.messages[-1]["reasoning_content"] == "five it is"
+
+
+def test_the_reasoning_template_is_append_only_when_no_reasoning_is_written(reasoner):
+    env = ToolEnvironment(reasoner, tools=[add], messages=PROMPT)
+    turn = step(env, call("add", a=2, b=3) + "<|end|>")
+    assert turn.context_ids is None
+    assert reasoner.decode(turn.observation_ids) == "<|tool|>5<|end|><|assistant|>"
 
 
 def test_bad_configuration_is_a_value_error_naming_the_fix(tok):

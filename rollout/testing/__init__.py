@@ -5,7 +5,7 @@ normal `from_pretrained` path, so the real loading code is exercised. May import
 transformers' public model classes; nothing else of rollout.
 """
 
-from .chat import build_chat_tokenizer
+from .chat import build_chat_tokenizer, build_reasoning_chat_tokenizer
 from .tiny import SIZES, build_config, build_tiny_model, build_tokenizer, load_tiny_model
 
-__all__ = ["SIZES", "build_chat_tokenizer", "build_config", "build_tiny_model", "build_tokenizer", "load_tiny_model"]
+__all__ = ["SIZES", "build_chat_tokenizer", "build_reasoning_chat_tokenizer", "build_config", "build_tiny_model", "build_tokenizer", "load_tiny_model"]
