@@ -326,9 +326,9 @@ def test_grpo_on_episodes_trains_on_model_tokens_only_with_the_environment_rewar
 
     model, tok = tiny
     masks, batches = [], []
-    real_aggregate = losses.aggregate
-    monkeypatch.setattr(losses, "aggregate", lambda x, mask, norm: masks.append(mask.clone()) or
-                        real_aggregate(x, mask, norm))
+    real_weights = losses.row_weights
+    monkeypatch.setattr(losses, "row_weights", lambda mask, norm, index: masks.append(mask.clone()) or
+                        real_weights(mask, norm, index))
     with RolloutWorker(model, WorkerConfig(), tokenizer=tok) as worker:
         real_generate = worker.generate
         monkeypatch.setattr(worker, "generate", lambda *a, **k: batches.append(real_generate(*a, **k)) or batches[-1])
@@ -336,6 +336,7 @@ def test_grpo_on_episodes_trains_on_model_tokens_only_with_the_environment_rewar
                               worker, GRPOConfig(num_generations=4, max_new_tokens=6),
                               episodes=EpisodeSpec(TwoTurns, max_turns=2))
         history = trainer.train(2)
+    assert len(masks) == len(batches) == len(history) == 2
     for m, batch, mask in zip(history, batches, masks):
         assert m["num_turns"] == 2.0 and m["logprob_gap_max"] < GAP
         assert m["reward_mean"] == pytest.approx(float(batch.rewards.mean()))

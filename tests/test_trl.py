@@ -167,3 +167,27 @@ def test_use_vllm_is_refused(tiny, tmp_path):
     with pytest.raises(ValueError, match="use_vllm=True is invalid for RolloutGRPOTrainer"):
         RolloutGRPOTrainer(model=model, rollouts=object(), reward_funcs=digit_reward,
                            args=trl_args(tmp_path, use_vllm=True), train_dataset=dataset, processing_class=tok)
+
+
+def test_episodes_restarted_from_new_context_ids_are_refused_naming_the_alternative(tiny):
+    from rollout import EpisodeSpec, Turn
+
+    model, tok = tiny
+
+    class Rewrite:
+        def __init__(self, prompt_index, sample_index):
+            self.turns = 0
+
+        def step(self, completion_ids):
+            self.turns += 1
+            return Turn(context_ids=[40, 41, 42]) if self.turns == 1 else Turn(done=True)
+
+    class Stub:
+        temperature, top_k, top_p, min_p, repetition_penalty = 0.9, 0, 1.0, None, 1.0
+        max_completion_length, eos_token_ids = 4, [tok.eos_token_id]
+        state = type("State", (), {"global_step": 0})()
+
+    with RolloutWorker(model, WorkerConfig(), tokenizer=tok) as worker:
+        rollout_func = make_rollout_func(worker, model=model, episodes=EpisodeSpec(Rewrite, max_turns=2))
+        with pytest.raises(ValueError, match="several rows.*one row per generation.*GRPOTrainer"):
+            rollout_func(["one two", "one two"], Stub())

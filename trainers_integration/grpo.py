@@ -7,7 +7,9 @@
 
 Contract of one step:
 1. `rollouts.generate(prompts, SamplingParams(n=num_generations, temperature=T, ...))`; rows come back prompt-major.
-2. `reward_fn(batch) -> R floats`; advantages are group-normalised per prompt (`losses.group_advantages`).
+2. `reward_fn(batch) -> R floats`; advantages are group-normalised per prompt (`losses.group_advantages`). An
+   episode that its environment restarted from a new context has several rows (segments): one reward per episode
+   (equal on its rows), one advantage per episode on every row, and the loss weighs the episode once.
 3. `num_epochs` passes over the batch, one optimizer step each. The behaviour policy of the clipped ratio is the
    rollout's own per-token `sampling_logprobs` (here equal to its full-vocabulary log_softmax(logits / T), what this
    trainer's forward recomputes: no top-k / top-p), or, with `tis_cap`, the trainer's logprobs at the start of the
@@ -47,7 +49,8 @@ class GRPOConfig(RolloutTrainerConfig):
     chat_template), here with num_generations = 8 (the group) and num_epochs = 1 (more is PPO-style reuse; the clip
     keeps later epochs near the behaviour policy; clip_high > clip_low is DAPO's clip-higher), plus:
     beta: weight of the k3 KL penalty to `ref_model` (the KL is logged whenever a ref_model is given).
-    loss_norm: "token" (every token weighs the same) or "sequence" (every completion weighs the same).
+    loss_norm: "token" (every token weighs the same) or "sequence" (every completion weighs the same; an episode of
+        several rows, its segments, weighs what one completion weighs).
     scale_rewards: divide group-centred rewards by the group std (False: Dr. GRPO).
     tis_cap: None, or the cap of truncated importance sampling against the rollout's logprobs.
     """
@@ -92,8 +95,12 @@ class GRPOTrainer(RolloutLoop):
 
     def _update(self, batch: RolloutBatch, rewards: torch.Tensor, ref: torch.Tensor | None) -> dict[str, float]:
         cfg, device = self.config, self.device
-        advantages = losses.group_advantages(rewards, cfg.num_generations, scale=cfg.scale_rewards)
+        # every row (segment) of an episode gets the episode's advantage
+        advantages = losses.group_advantages(rewards, cfg.num_generations, scale=cfg.scale_rewards)[
+            batch.episode_index]
         mask = batch.action_mask.to(device)  # the model's own tokens: episodes' observations are not trained on
+        weights = losses.row_weights(mask, cfg.loss_norm, batch.episode_index)  # an episode weighs the same, in
+        # however many rows
         rollout_lp = batch.sampling_logprobs.to(device)  # the behaviour policy, per token (== logprobs: no top-k/p)
         advantages = advantages.to(device)
         ref = ref.to(device) if ref is not None else None
@@ -126,8 +133,7 @@ class GRPOTrainer(RolloutLoop):
                     per_token = per_token + cfg.beta * kl
                     if epoch == 0:  # KL of the policy that sampled the batch, as PPO reports it
                         totals["kl"] += float(losses.masked_sum(kl.detach(), m)) / num_tokens
-                share = (int(m.sum()) / num_tokens) if cfg.loss_norm == "token" else (m.shape[0] / num_rows)
-                loss = losses.aggregate(per_token, m, cfg.loss_norm) * share
+                loss = losses.masked_sum(per_token * weights[rows, None], m)
                 loss.backward()
                 totals["loss"] += float(loss.detach()) / cfg.num_epochs
                 totals["clip"] += float(losses.masked_sum(clipped.float(), m)) / num_tokens / cfg.num_epochs

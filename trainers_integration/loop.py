@@ -1,6 +1,8 @@
 """The step both trainers share: generate -> reward -> update -> push weights, with the per-step metrics.
 
-A trainer subclasses `RolloutLoop` and implements `_update(batch, rewards, ref) -> dict of stats`; the loop owns
+A trainer subclasses `RolloutLoop` and implements `_update(batch, rewards, ref) -> dict of stats` (`rewards`: one per
+episode, `batch.episode_index` maps rows to them: an episode has several rows when its environment restarted it from
+a new context); the loop owns
 the prompt stream, the rollout side's versioning (rollout versions continue from the worker's at construction),
 the timing and the metrics every step logs. With `config.async_rollouts` the rollouts come from a `Pipeline`
 (pipeline.py): submitted ahead, overlapping training, at most `max_staleness` versions old.
@@ -17,7 +19,7 @@ from rollout import EpisodeSpec, RolloutBatch, Rollouts
 
 from .config import RolloutTrainerConfig
 from .pipeline import Pipeline, staleness
-from .rollouts import (PromptsExhausted, prompt_stream, push_weights, reference_logprobs, rewards_tensor,
+from .rollouts import (PromptsExhausted, episode_rewards, prompt_stream, push_weights, reference_logprobs, rewards_tensor,
                        shares_model, timed_generate)
 
 
@@ -75,8 +77,11 @@ class RolloutLoop:
         else:
             batch = self.pipeline.batch(self.num_steps, version)
             rollout_s = time.perf_counter() - start  # what the step waited for: the rest overlapped training
-        rewards = rewards_tensor(self.reward_fn(batch) if self.reward_fn is not None else batch.rewards, len(batch))
+        rewards = episode_rewards(rewards_tensor(self.reward_fn(batch) if self.reward_fn is not None
+                                                 else batch.rewards, len(batch)), batch)  # one per episode
         ref = reference_logprobs(self.ref_model, batch, cfg.temperature) if self.ref_model is not None else None
+        first = torch.ones(len(batch), dtype=torch.bool)  # each episode's first row
+        first[1:] = batch.episode_index[1:] != batch.episode_index[:-1]
         train_start = time.perf_counter()
         stats = self._update(batch, rewards, ref)
         train_s = time.perf_counter() - train_start
@@ -87,8 +92,9 @@ class RolloutLoop:
             "step": self.num_steps, "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0, **stats,
             "completion_len": float(batch.completion_lengths.float().mean()),
-            "num_turns": float(batch.num_turns.float().mean()),
-            "episode_errors": float(sum(1 for e in batch.errors if e)),
+            "num_turns": float(batch.num_turns[first].float().mean()),
+            "segments": len(batch) / max(len(rewards), 1),  # rows per episode (> 1: histories rewritten)
+            "episode_errors": float(sum(1 for e, f in zip(batch.errors, first.tolist()) if e and f)),
             "rollout_tokens": batch.num_tokens, "rollout_tokens_per_s": batch.num_tokens / max(rollout_s, 1e-9),
             "rollout_s": rollout_s, "train_s": train_s, "refresh_s": refresh_s,
             "staleness": float(staleness(batch, version)),

@@ -2,7 +2,9 @@
 
 Shapes: R rows (one per completion), T completion positions, right-padded; `mask` (R, T) is True on the tokens
 the loss covers: the model's own tokens (`RolloutBatch.action_mask`), so the observation tokens of multi-turn
-episodes are holes inside a row, and padding follows the row.
+episodes are holes inside a row, and padding follows the row. An episode whose environment restarted it from a new
+context has several rows (segments, `RolloutBatch.episode_index`); the functions taking `episode_index` treat its
+rows as one episode.
 Every function is a plain tensor function (no model, no rollout object), so each is tested against values worked
 out by hand in tests/test_trainers.py. Masked positions never contribute, whatever they hold.
 """
@@ -59,6 +61,26 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, norm: str = "token") 
     if norm == "sequence":
         return masked_mean(per_token, mask, dim=1).mean()
     raise ValueError(f"loss_norm={norm!r} is invalid: must be one of {LOSS_NORMS}. Fix: pick one of those.")
+
+
+def row_weights(mask: torch.Tensor, norm: str = "token", episode_index: torch.Tensor | None = None) -> torch.Tensor:
+    """(R,) the weight of each masked-in token of each row, so that `masked_sum(per_token * w[:, None], mask)` is
+    the batch's loss, whichever rows a micro-batch holds.
+
+    "token": 1 / (real tokens of the batch): `aggregate(..., "token")`.
+    "sequence": 1 / (tokens of the row's episode * number of episodes): each episode weighs the same, however many
+    rows (segments) it has; with one row per episode, `aggregate(..., "sequence")`.
+    """
+    if norm == "token":
+        return torch.full((mask.shape[0],), 1.0 / max(int(mask.sum()), 1), device=mask.device)
+    if norm != "sequence":
+        raise ValueError(f"loss_norm={norm!r} is invalid: must be one of {LOSS_NORMS}. Fix: pick one of those.")
+    if episode_index is None:
+        episode_index = torch.arange(mask.shape[0], device=mask.device)
+    episode_index = episode_index.to(mask.device)
+    num_episodes = int(episode_index.max()) + 1 if len(episode_index) else 1
+    tokens = torch.zeros(num_episodes, device=mask.device).index_add_(0, episode_index, mask.sum(dim=1).float())
+    return 1.0 / (tokens[episode_index].clamp(min=1) * num_episodes)
 
 
 def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -125,6 +147,32 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
         advantages[:, t] = torch.where(live, running, torch.zeros_like(running))
         next_value = torch.where(live, values[:, t], next_value)
     return advantages, torch.where(mask, advantages + values, torch.zeros_like(values))
+
+
+def gae_over_episodes(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                      episode_index: torch.Tensor | None = None, gamma: float = 1.0,
+                      lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gae` with an episode's rows (its segments, in order) as one sequence: a segment's last token is followed by
+    the next segment's first model token (the episode goes on; its value is that token's value under the new
+    context), and only the episode's last token is terminal. Without `episode_index` (or one row per episode), `gae`.
+    """
+    if episode_index is None or len(episode_index) == 0 or int(episode_index.max()) + 1 == len(episode_index):
+        return gae(rewards, values, mask, gamma, lam)
+    episode_index = episode_index.to(mask.device)
+    rows_of = [torch.nonzero(episode_index == e).flatten() for e in range(int(episode_index.max()) + 1)]
+    width = max(len(rows) for rows in rows_of) * mask.shape[1]
+
+    def joined(x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([torch.nn.functional.pad(x[rows].reshape(-1), (0, width - len(rows) * x.shape[1]))
+                            for rows in rows_of])
+
+    advantages, returns = gae(joined(rewards), joined(values), joined(mask), gamma, lam)
+    out_adv, out_ret = torch.zeros_like(rewards), torch.zeros_like(values)
+    for e, rows in enumerate(rows_of):
+        size = len(rows) * mask.shape[1]
+        out_adv[rows] = advantages[e, :size].view(len(rows), -1)
+        out_ret[rows] = returns[e, :size].view(len(rows), -1)
+    return out_adv, out_ret
 
 
 def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,

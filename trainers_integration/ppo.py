@@ -6,9 +6,12 @@
     metrics = trainer.step()
 
 Contract of one step:
-1. `rollouts.generate` (same API as GRPO); `reward_fn(batch) -> R` scalar scores, one per completion.
+1. `rollouts.generate` (same API as GRPO); `reward_fn(batch) -> R` scalar scores, one per completion (equal on the
+   rows of one episode).
 2. Old values (no grad) from the value model; token rewards = -kl_coef * (logp_rollout - logp_ref) on every token
-   plus the score on the last token (`losses.kl_shaped_rewards`); advantages and returns by GAE, advantages
+   plus the score on the episode's last model token (`losses.kl_shaped_rewards`), or, trained on the environments'
+   rewards (reward_fn None), each turn's reward on that turn's last model token (`batch.turn_rewards`); advantages
+   and returns by GAE over each episode's rows in order (its segments: `losses.gae_over_episodes`), advantages
    whitened over the batch.
 3. `num_epochs` optimizer steps over the batch: clipped ratio against the rollout's `logprobs` (the behaviour
    policy) plus `vf_coef` times the clipped value loss.
@@ -109,8 +112,9 @@ class PPOTrainer(RolloutLoop):
         self.value_model.eval()
         with torch.no_grad():
             old_values = torch.cat([self._old_values(p) for _, p in packs])
-        rewards = losses.kl_shaped_rewards(scores.to(device), rollout_lp, ref, mask, cfg.kl_coef)
-        advantages, returns = losses.gae(rewards, old_values, mask, cfg.gamma, cfg.lam)
+        rewards = self._token_rewards(batch, scores.to(device), rollout_lp, ref, mask)
+        advantages, returns = losses.gae_over_episodes(rewards, old_values, mask, batch.episode_index.to(device),
+                                                       cfg.gamma, cfg.lam)
         if cfg.whiten_advantages:
             advantages = losses.masked_whiten(advantages, mask)
         totals = dict(loss=0.0, pg_loss=0.0, value_loss=0.0, clip=0.0, vclip=0.0, grad_norm=0.0)
@@ -146,6 +150,21 @@ class PPOTrainer(RolloutLoop):
                 "kl": kl, "clip_frac": totals["clip"], "value_clip_frac": totals["vclip"],
                 "grad_norm": totals["grad_norm"], "value_mean": float(losses.masked_mean(old_values, mask)),
                 "logprob_gap_max": gap_max, "logprob_gap_mean": gap_sum / max(num_tokens, 1)}
+
+    def _token_rewards(self, batch: RolloutBatch, scores: torch.Tensor, rollout_lp: torch.Tensor,
+                       ref: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+        """KL-shaped token rewards. Trained on the environments' rewards (no reward_fn): each turn's reward on that
+        turn's last model token (`batch.turn_rewards`). Otherwise each episode's score on its last model token (the
+        last row of an episode with several segments)."""
+        if self.reward_fn is None:
+            shaped = losses.kl_shaped_rewards(torch.zeros_like(scores[batch.episode_index]), rollout_lp, ref, mask,
+                                              self.config.kl_coef)
+            return shaped + torch.where(mask, batch.turn_rewards.to(mask.device), torch.zeros_like(shaped))
+        index = batch.episode_index.to(mask.device)
+        last = torch.ones(len(index), dtype=torch.bool, device=mask.device)
+        last[:-1] = index[1:] != index[:-1]
+        return losses.kl_shaped_rewards(torch.where(last, scores[index], torch.zeros_like(scores[index])), rollout_lp,
+                                        ref, mask, self.config.kl_coef)
 
     def _old_values(self, packed: Packed) -> torch.Tensor:
         if isinstance(self.value_model, ValueHead):

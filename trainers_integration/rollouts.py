@@ -96,6 +96,23 @@ def rewards_tensor(rewards: Any, num_rows: int) -> torch.Tensor:
     return values
 
 
+def episode_rewards(rewards: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
+    """(E,) one reward per episode from one per row: an episode with several rows (segments) must have the same
+    reward on each (`batch.rewards` does)."""
+    index = batch.episode_index
+    if len(index) == 0 or int(index.max()) + 1 == len(index):
+        return rewards
+    first = torch.ones(len(index), dtype=torch.bool)
+    first[1:] = index[1:] != index[:-1]
+    per_episode = rewards[first]
+    if not torch.equal(per_episode[index], rewards):
+        row = int(torch.nonzero(per_episode[index] != rewards)[0])
+        raise ValueError(f"reward_fn gave row {row} a reward that differs from the other rows of its episode "
+                         f"(episode {int(index[row])}, segment {int(batch.segment_index[row])}). Fix: return the "
+                         "episode's reward on each of its rows (batch.episode_index says which rows form one).")
+    return per_episode
+
+
 def logprob_gap(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
                 mask: torch.Tensor) -> tuple[float, float]:
     """(max, mean) |trainer logprob - rollout logprob| over real tokens: ~0 when the rollout side holds exactly the

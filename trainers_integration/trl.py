@@ -28,6 +28,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import torch
+
 from rollout import EpisodeSpec, Rollouts, SamplingParams
 
 from .rollouts import push_weights
@@ -78,7 +80,9 @@ def make_rollout_func(rollouts: Rollouts, model: Any = None, episodes: EpisodeSp
     With `episodes` every sample is a multi-turn episode run inside the engine: the completion holds the model's
     turns and the environment's observations, and the function also returns `env_mask` (1 on the model's tokens,
     0 on observations: TRL 1.16 masks the loss with it), `env_reward` (each episode's summed turn rewards, for a
-    reward function `lambda env_reward, **kw: env_reward`) and `num_turns`."""
+    reward function `lambda env_reward, **kw: env_reward`) and `num_turns`. An episode restarted from new
+    `context_ids` (a history-rewriting chat template) has several rows, which TRL cannot take: a ValueError naming
+    this project's GRPOTrainer (`refuse_segments`)."""
     _require_trl()
     last_pushed: dict[str, int | None] = {"step": None}
 
@@ -93,6 +97,7 @@ def make_rollout_func(rollouts: Rollouts, model: Any = None, episodes: EpisodeSp
             and isinstance(unique[0][0], dict)
         batch = rollouts.generate(unique, sampling=[trainer_sampling(trainer, n) for n in counts], chat_template=chat,
                                   **(episodes.kwargs() if episodes else {}))
+        refuse_segments(batch)
         lengths = batch.completion_lengths.tolist()
         out = {"prompt_ids": [list(p) for p in batch.prompt_ids],
                "completion_ids": batch.completion_token_lists(),
@@ -104,6 +109,22 @@ def make_rollout_func(rollouts: Rollouts, model: Any = None, episodes: EpisodeSp
         return out
 
     return rollout_func
+
+
+def refuse_segments(batch: Any) -> None:
+    """TRL 1.16 takes exactly one (prompt_ids, completion_ids) row per generation; an episode that its environment
+    restarted from new context_ids (a chat template that rewrites history) has one row per segment, which TRL cannot
+    take: say so, and what to use instead."""
+    segments = batch.segment_index
+    if len(segments) and int(segments.max()) > 0:
+        row = int(torch.nonzero(segments > 0)[0])
+        raise ValueError(
+            f"episode {int(batch.episode_index[row])} (prompt {int(batch.prompt_index[row])}, sample "
+            f"{int(batch.sample_index[row])}) was restarted from new context_ids by its environment (its chat "
+            "template rewrote the history), so it has several rows (segments), and TRL's rollout_func takes exactly "
+            "one row per generation. Fix: train with this project's trainers_integration.GRPOTrainer (or "
+            "PPOTrainer), which train on every segment, or use a prefix-preserving chat template (e.g. TRL's "
+            "get_training_chat_template) so that each episode stays one row.")
 
 
 def _trainer_class():
