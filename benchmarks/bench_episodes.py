@@ -17,7 +17,10 @@ episodes and the same delays.
   concurrently (a thread each) and wait for all of them, then the next turn.
 
 Reported per latency scale: episodes/s of each and their ratio; prefill tokens per turn of the episode path against
-what re-prefilling the whole history every turn would cost (the same calls' prompt tokens). Methods alternate
+what re-prefilling the whole history every turn would cost (the same calls' prompt tokens); and, from the engine's
+`TurnTrace` on the episode path, per turn after the first: the time from the environment's answer (observation
+ready) to the next turn's first token (p50, p99) against the median engine step, and the fraction of wall time the
+engine ran no step while some episode's next turn was ready (idle with ready work). Methods alternate
 (episodes first at x1, then synchronous; the order flips at the next scale), one run each per scale. The last
 line is JSON.
 """
@@ -37,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from rollout import RolloutWorker, SamplingParams, Turn, WorkerConfig
+from rollout.engine import TurnTrace
 from rollout.testing import build_tiny_model, load_tiny_model
 
 
@@ -80,13 +84,17 @@ def params_of(episodes: list[Episode]) -> list[SamplingParams]:
 
 
 def run_episodes(worker: RolloutWorker, episodes: list[Episode], scale: float) -> dict:
+    worker.engine.trace = trace = TurnTrace()
     start = time.perf_counter()
-    batch = worker.generate([e.prompt for e in episodes], params_of(episodes),
-                            env=lambda p, s: Scripted(episodes[p], scale), max_turns=4)
+    try:
+        batch = worker.generate([e.prompt for e in episodes], params_of(episodes),
+                                env=lambda p, s: Scripted(episodes[p], scale), max_turns=4)
+    finally:
+        worker.engine.trace = None
     seconds = time.perf_counter() - start
     assert batch.num_turns.tolist() == [e.num_turns for e in episodes], "episodes ended early"
     return dict(seconds=seconds, model_tokens=int(batch.action_mask.sum()), turns=int(batch.num_turns.sum()),
-                **batch.stats)
+                trace=trace.summary(), **batch.stats)
 
 
 def run_turn_synchronous(worker: RolloutWorker, episodes: list[Episode], scale: float) -> dict:
@@ -148,18 +156,23 @@ def main() -> None:
           f"{sum(e.num_turns * e.turn_tokens for e in episodes)} model tokens; latency median 0.5 s, 10% ~4 s, "
           f"x scale")
     print(f"{'latency':>8}{'episodes/s':>12}{'sync ep/s':>11}{'ratio':>7}{'prefill/turn':>14}{'re-prefill/turn':>17}"
-          f"{'sync prefill/turn':>19}")
+          f"{'sync prefill/turn':>19}{'ready->token p50':>18}{'p99':>8}{'step p50':>10}{'idle w/ ready':>15}")
     for row in results:
-        ep, sync = row["episodes"], row["turn-synchronous"]
+        ep, sync, tr = row["episodes"], row["turn-synchronous"], row["episodes"]["trace"]
         print(f"{'x' + str(row['scale']):>8}{args.episodes / ep['seconds']:>12.2f}{args.episodes / sync['seconds']:>11.2f}"
               f"{sync['seconds'] / ep['seconds']:>6.2f}x{ep['prefill_tokens'] / ep['turns']:>14.1f}"
-              f"{ep['prompt_tokens'] / ep['turns']:>17.1f}{sync['prefill_tokens'] / sync['turns']:>19.1f}")
+              f"{ep['prompt_tokens'] / ep['turns']:>17.1f}{sync['prefill_tokens'] / sync['turns']:>19.1f}"
+              f"{tr['latency_p50_s'] * 1e3:>16.0f}ms{tr['latency_p99_s'] * 1e3:>6.0f}ms{tr['step_p50_s'] * 1e3:>8.0f}ms"
+              f"{tr['idle_with_ready_fraction'] * 100:>14.2f}%")
     print(json.dumps({"benchmark": "episodes", "size": args.size, "episodes": args.episodes, "turns": num_turns,
                       "results": [{"scale": r["scale"], "episodes_s": r["episodes"]["seconds"],
                                    "sync_s": r["turn-synchronous"]["seconds"],
                                    "ratio": r["turn-synchronous"]["seconds"] / r["episodes"]["seconds"],
                                    "prefill_per_turn": r["episodes"]["prefill_tokens"] / r["episodes"]["turns"],
-                                   "reprefill_per_turn": r["episodes"]["prompt_tokens"] / r["episodes"]["turns"]}
+                                   "reprefill_per_turn": r["episodes"]["prompt_tokens"] / r["episodes"]["turns"],
+                                   **{k: r["episodes"]["trace"][k] for k in ("latency_p50_s", "latency_p99_s",
+                                                                              "step_p50_s",
+                                                                              "idle_with_ready_fraction")}}
                                   for r in results]}))
 
 

@@ -22,6 +22,7 @@ import contextlib
 import gc
 import itertools
 import threading
+import time
 
 import torch
 from transformers import GenerationConfig
@@ -47,6 +48,7 @@ from .slots import SlotTable
 from .streams import stream_key
 from .scheduler import CHILD_SEPARATOR, SCHEDULER_NAME
 from .stepper import Stepper
+from .trace import TurnTrace
 
 # The first word of a random stream's key (streams.py): seeded and unseeded samples never share a stream. A stream's
 # counter is the position sampled at, so the turns of an episode (new requests, later positions) never replay it.
@@ -85,6 +87,7 @@ class Engine:
         self.num_reused_tokens = 0
         self._stepper = Stepper(config.env_threads)
         self._call_index = itertools.count()  # keys the random streams of a call's unseeded samples
+        self.trace: TurnTrace | None = None  # set one to time episodes' turns (trace.py); None records nothing
         self._blocked = linear.blocked(model)  # wide linear layers in column blocks on the engine thread (linear.py)
         try:
             self._manager = self._build_manager()
@@ -110,6 +113,7 @@ class Engine:
         was_training = self.model.training
         manager = RolloutManager(self.model, gen_config, cb_config, RowSlotArgs(table, all_passes=graphs))
         manager.output_router = RolloutRouter(self._on_output)
+        manager.trace_steps = self._trace_step
         manager.batch_processor = manager._create_batch_processor()
         manager.batch_processor.scheduler.on_prefix_hit = self._on_prefix_hit
         RolloutCache.adopt(manager.batch_processor.cache)
@@ -217,6 +221,14 @@ class Engine:
     def _record(self, request_ids: list[str], values: list[float]) -> None:
         # the version changes only inside a pause of the loop, so it is the one whose weights ran this step
         self._ledger.record(request_ids, values, self.version)
+        trace = self.trace
+        if trace is not None:
+            trace.sampled(request_ids, time.perf_counter())
+
+    def _trace_step(self, start: float, end: float) -> None:
+        trace = self.trace
+        if trace is not None:
+            trace.step(start, end)
 
     def _on_output(self, output: GenerationOutput) -> None:
         with self._cond:
@@ -265,6 +277,7 @@ class Engine:
 
     def _on_step(self, sample: Sample, epoch: int, turn, error: BaseException | None) -> None:
         """An environment step returned (stepper thread): submit the episode's next turn, or end it."""
+        ready = time.perf_counter()
         with self._cond:
             episode = sample.episode
             if episode.epoch != epoch or sample not in self._stepping:  # reset or abandoned meanwhile
@@ -274,7 +287,7 @@ class Engine:
                 self._stepper.close_env(episode.env)
                 return
             if episode.after_step(turn, error):
-                self._submit([sample])
+                self._submit([sample], ready)
             else:
                 self._end_episode(sample)
             self._cond.notify_all()
@@ -330,9 +343,9 @@ class Engine:
             finally:
                 call.settled.set()
 
-    def _submit(self, group: list[Sample]) -> None:
+    def _submit(self, group: list[Sample], ready: float | None = None) -> None:
         """Submit samples of one prompt as one engine request whose children are the other samples (called with
-        the lock held)."""
+        the lock held). `ready`: when an episode's observation came back (traced, with a trace set)."""
         head = group[0]
         request_id = f"r{next(self._ids)}"
         for i, sample in enumerate(group):
@@ -345,6 +358,8 @@ class Engine:
         head.prompt_tokens += len(context)
         state = RequestState(request_id=request_id, initial_tokens=list(context), num_children=len(group) - 1,
                              max_new_tokens=head.budget(), eos_token_id=list(head.stop_ids))
+        if ready is not None and self.trace is not None:
+            self.trace.ready(request_id, ready)
         self._manager.input_queue.put(state)
         self._manager._wake_up_loop.set()
 
