@@ -456,6 +456,18 @@ def test_the_multi_turn_demo_runs_episodes_and_plots_the_blind_ceiling(demo_dir,
     assert [r["num_turns"] for r in records] == [2.0] * 3 and max(r["logprob_gap_max"] for r in records) < GAP
 
 
+def test_the_rewrite_demo_trains_on_two_segments_per_episode(demo_dir, tmp_path, capsys):
+    from trainers_integration.demo import main
+
+    rc = main(["--env", "recall", "--rewrite", "--steps", "2", "--out", str(demo_dir), "--plot", "",
+               "--min-gain", "-1"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0 and "re-rendered context" in out[0], "\n".join(out)
+    records = [json.loads(line) for line in (demo_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["num_turns"] for r in records] == [2.0] * 2 and max(r["logprob_gap_max"] for r in records) < GAP
+    assert all(r["episode_errors"] == 0.0 and r["segments"] == 2.0 for r in records)
+
+
 def test_the_async_demo_learns_like_the_synchronous_one(demo_dir, tmp_path, capsys):
     from trainers_integration.demo import main
 

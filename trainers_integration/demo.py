@@ -19,6 +19,12 @@ working end to end (observation tokens in the context, masked out of the loss).
 
     rollout demo --env recall
 
+With `--rewrite` (and `--env recall`) turn 2 restarts from a re-rendered context, prompt + secret, that drops turn 1,
+as reasoning models' chat templates drop earlier reasoning: every episode is two rows (segments), trained on by the
+same GRPO (one advantage per episode, every segment).
+
+    rollout demo --env recall --rewrite
+
 With `--async` the rollouts of step t+1 are generated while step t trains (max_staleness 1, truncated importance
 sampling against the per-token behaviour logprobs), by a worker holding its own copy of the weights that receives
 them after every step under in_flight="recompute".
@@ -40,7 +46,7 @@ import torch
 from rollout import EpisodeSpec, RolloutWorker, WorkerConfig
 from rollout.testing import build_tiny_model, load_tiny_model
 
-from .envs import BLIND_CEILING, ENVS
+from .envs import BLIND_CEILING, ENVS, RecallRewriteFactory
 from .grpo import GRPOConfig, GRPOTrainer, format_metrics
 
 TARGET = "7"
@@ -70,10 +76,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "training (max_staleness 1, a worker with its own copy of the weights)")
     parser.add_argument("--env", choices=sorted(ENVS), default=None, help="train on multi-turn episodes of this "
                         "environment instead of the single-turn task")
+    parser.add_argument("--rewrite", action="store_true", help="with --env recall: turn 2 restarts from a "
+                        "re-rendered context that drops turn 1 (a history-rewriting chat template)")
     parser.add_argument("--min-gain", type=float, default=0.3, help="exit 1 unless last - first reward >= this")
     parser.add_argument("--lora", action="store_true", help=f"train rank-8 LoRA adapters (PEFT) on a frozen base "
                         f"instead of every weight; lr {LORA_LR} unless --lr is given")
     args = parser.parse_args(argv)
+    if args.rewrite and args.env != "recall":
+        parser.error("--rewrite needs --env recall: it is the recall task under a history-rewriting template")
     if args.async_rollouts and args.lora:
         parser.error("--async with --lora is not supported: the asynchronous demo's worker loads the base checkpoint, "
                      "without the adapters. Fix: use one of the two")
@@ -148,10 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     ref = copy.deepcopy(model).eval().requires_grad_(False)
     config = GRPOConfig(num_generations=args.generations, max_new_tokens=args.max_new_tokens, temperature=1.0,
                         async_rollouts=args.async_rollouts, tis_cap=2.0 if args.async_rollouts else None)
+    prompts = make_prompts(tokenizer, args.prompts, args.seed)
     if args.env:
-        make_env = ENVS[args.env](tokenizer, args.seed)
+        make_env = RecallRewriteFactory(tokenizer, args.seed, prompts) if args.rewrite else \
+            ENVS[args.env](tokenizer, args.seed)
         reward_fn, episodes = None, EpisodeSpec(make_env, max_turns=2)
-        task = f"{args.env} episodes (2 turns; a policy blind to observations earns <= {BLIND_CEILING:.1f})"
+        rewritten = ", turn 2 from a re-rendered context without turn 1" if args.rewrite else ""
+        task = (f"{args.env} episodes (2 turns{rewritten}; a policy blind to observations earns <= "
+                f"{BLIND_CEILING:.1f})")
     else:
         make_env, reward_fn, episodes = None, target_reward(tokenizer.convert_tokens_to_ids(TARGET)), None
         task = f"reward = fraction of tokens that are {TARGET!r}"
@@ -167,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     source = out / "model" if args.async_rollouts else model  # async: the worker holds its own copy
     with RolloutWorker(source, WorkerConfig(seed=args.seed), tokenizer=tokenizer) as worker, \
             open(out / "metrics.jsonl", "w") as log:
-        trainer = GRPOTrainer(model, optimizer, reward_fn, make_prompts(tokenizer, args.prompts, args.seed), worker,
+        trainer = GRPOTrainer(model, optimizer, reward_fn, prompts, worker,
                               config, ref_model=ref, episodes=episodes)
         for step in range(args.steps):
             if make_env is not None:
@@ -181,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     first, last = rewards[0], sum(tail) / len(tail)
     if args.plot:
         title = f"GRPO on {args.env} episodes" if args.env else "GRPO through a shared RolloutWorker"
+        title += " (rewritten history)" if args.rewrite else ""
         save_plot(rewards, args.plot, f"{title} (seed {args.seed})", BLIND_CEILING if args.env else None)
         print(f"plot: {args.plot}")
     print(f"wall time: {time.perf_counter() - start:.1f}s")
