@@ -337,3 +337,64 @@ def test_tool_episodes_run_inside_the_engine(tiny, tok):
     for r in done:  # the chat the reward saw: the prompt, then one assistant message per turn and its tool results
         assert batch.num_turns[r] == 1 and float(batch.rewards[r]) == len(PROMPT) + 1
         assert int(batch.action_mask[r].sum()) == int(batch.completion_lengths[r]) <= 6
+
+
+def memorise(model, sequences: list[tuple[list[int], list[int]]], margin: float = 2.0, max_steps: int = 600) -> None:
+    """Train `model` until greedy decoding gives each completion after its prompt: every completion token's logit
+    beats every other by `margin` under teacher forcing (so the engine's greedy turns are these tokens)."""
+    import torch
+
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(max_steps):
+        worst, loss = float("inf"), 0.0
+        for prompt, completion in sequences:
+            ids = torch.tensor([prompt + completion])
+            logits = model(ids).logits[0, len(prompt) - 1: -1]
+            target = torch.tensor(completion)
+            loss = loss + torch.nn.functional.cross_entropy(logits, target)
+            other = logits.detach().scatter(1, target[:, None], float("-inf")).amax(1)
+            worst = min(worst, float((logits.detach().gather(1, target[:, None])[:, 0] - other).min()))
+        if worst >= margin:
+            break
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    assert worst >= margin, f"the tiny model did not memorise the script (margin {worst:.2f})"
+
+
+def test_a_reasoning_model_calls_a_tool_inside_the_engine_and_each_segment_is_exact(tiny, reasoner):
+    """A tiny model taught one tool-using chat: turn 1 thinks and calls add, the template drops that thought when the
+    tool result is rendered, so turn 2 is generated from the re-rendered chat: two rows, each exact against a forward
+    of its own prompt and completion, the episode's reward on both."""
+    from conftest import reference_logprobs
+    from rollout import RolloutWorker, SamplingParams, WorkerConfig
+
+    model, _ = tiny
+    end = reasoner.convert_tokens_to_ids("<|end|>")
+    prompt = render(reasoner, PROMPT, True)
+    first = reasoner.encode(reasoning_turn("I should add", call("add", a=2, b=3)))
+    script = ToolEnvironment(reasoner, tools=[add], messages=PROMPT)
+    context = step(script, first).context_ids
+    second = reasoner.encode(reasoning_turn("five it is", "5"))
+    memorise(model, [(prompt, first), (context, second)])
+
+    def make_env(prompt_index, sample_index):
+        return ToolEnvironment(reasoner, tools=[add], messages=PROMPT, max_calls=2,
+                               reward_fn=lambda messages: float(messages[-1]["content"] == "5"))
+
+    with RolloutWorker(model, WorkerConfig(page_size=16), tokenizer=reasoner) as worker:
+        batch = worker.generate([prompt], SamplingParams(n=2, temperature=0.0, max_new_tokens=64,
+                                                         stop_token_ids=(end,)), env=make_env, max_turns=3)
+    assert batch.finish_reason == ["done"] * 4 and batch.errors == [""] * 4
+    assert batch.episode_index.tolist() == [0, 0, 1, 1] and batch.segment_index.tolist() == [0, 1, 0, 1]
+    assert batch.rewards.tolist() == [1.0] * 4 and batch.num_turns.tolist() == [2] * 4
+    assert batch.prompt_ids == [prompt, context] * 2
+    assert batch.completion_token_lists() == [first, second] * 2
+    assert "I should add" not in reasoner.decode(context)  # the second segment never saw the first thought
+    for r in range(4):
+        full, _ = reference_logprobs(model, batch.prompt_ids[r], batch.completion_token_lists()[r], 0.0)
+        n = len(full)
+        assert float((batch.logprobs[r, :n] - full).abs().max()) <= 1e-5
+        assert batch.turn_rewards[r, :n].tolist() == [0.0] * (n - 1) + [float(r % 2)]
