@@ -1,8 +1,8 @@
 """RolloutBatch: the result of one `generate` call, one row per sample (per segment of an episode), prompt-major.
 
 Rows are ordered prompt by prompt (all samples of prompt 0, then prompt 1, ...); the rows of one episode (its
-segments, when its environment restarted it from a new context) are consecutive, in order. Tensors are right-padded to the
-longest completion; `completion_mask` marks real tokens. Padding positions hold `pad_token_id` in
+segments, when its environment restarted it from a new context) are consecutive, in order. Tensors are right-padded
+to the longest completion; `completion_mask` marks real tokens. Padding positions hold `pad_token_id` in
 `completion_ids` and 0.0 in both logprob tensors.
 """
 

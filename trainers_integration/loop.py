@@ -19,8 +19,8 @@ from rollout import EpisodeSpec, RolloutBatch, Rollouts
 
 from .config import RolloutTrainerConfig
 from .pipeline import Pipeline, staleness
-from .rollouts import (PromptsExhausted, episode_rewards, prompt_stream, push_weights, reference_logprobs, rewards_tensor,
-                       shares_model, timed_generate)
+from .rollouts import (PromptsExhausted, episode_rewards, prompt_stream, push_weights, reference_logprobs,
+                       rewards_tensor, shares_model, timed_generate)
 
 
 class RolloutLoop:

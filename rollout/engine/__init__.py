@@ -31,5 +31,5 @@ from .core import Call, Engine, Sample
 from .episode import Episode
 from .trace import TurnTrace
 
-__all__ = ["Call", "Engine", "Episode", "Sample", "TurnTrace", "current_attn_implementation", "resolve_attn_implementation",
-           "set_attn_implementation"]
+__all__ = ["Call", "Engine", "Episode", "Sample", "TurnTrace", "current_attn_implementation",
+           "resolve_attn_implementation", "set_attn_implementation"]
