@@ -320,6 +320,37 @@ def test_episodes_run_on_the_actors_with_the_calls_own_prompt_indices(fleet, loc
         fleet.generate(prompts, params, env=Counter, max_turns=0)
 
 
+def test_segment_rows_come_back_from_the_actors_with_their_own_prompts(fleet, local):
+    from rollout import Turn
+
+    class Rewrite:  # defined here so that Ray pickles it by value to the actors
+        def __init__(self, prompt_index, sample_index):
+            self.prompt_index, self.turns = prompt_index, 0
+
+        def step(self, completion_ids):
+            self.turns += 1
+            if self.turns == 1:
+                return Turn(context_ids=[10 + self.prompt_index, 11, 12] + completion_ids[-2:], reward=1.0)
+            return Turn(reward=2.0, done=True)
+
+    prompts = [prompt_of(n, seed) for seed, n in enumerate([6, 20, 3, 33])]
+    batch = fleet.generate(prompts, SamplingParams(n=2, max_new_tokens=5, ignore_eos=True), env=Rewrite, max_turns=3)
+    assert batch.prompt_index.tolist() == [i for i in range(4) for _ in range(4)]
+    assert batch.segment_index.tolist() == [0, 1] * 8 and batch.episode_index.tolist() == [e for e in range(8)
+                                                                                             for _ in range(2)]
+    assert batch.rewards.tolist() == [3.0] * 16 and batch.finish_reason == ["done"] * 16
+    for r in range(len(batch)):
+        n = int(batch.completion_lengths[r])
+        ids = batch.completion_ids[r, :n].tolist()
+        if batch.segment_index[r] == 0:
+            assert batch.prompt_ids[r] == prompts[int(batch.prompt_index[r])]
+        else:
+            previous_turn = batch.completion_ids[r - 1, 3:5].tolist()  # the first segment's last two tokens
+            assert batch.prompt_ids[r] == [10 + int(batch.prompt_index[r]), 11, 12] + previous_turn
+        full, _ = reference_logprobs(local, batch.prompt_ids[r], ids)
+        assert torch.allclose(batch.logprobs[r, :n], full, atol=TOL)
+
+
 def test_an_actor_killed_mid_generate_loses_no_row_and_comes_back_on_current_weights(fleet, local):
     victim, killed = fleet.actors[0], threading.Event()
 
