@@ -7,12 +7,14 @@
         batch = collector.next_batch(32)               # groups carried from the last call come first
 
 Contract:
-- Prompts are drawn from `prompts` as groups are needed and submitted in waves (one `rollouts.submit` per wave);
-  `over_sample` x the groups still wanted are kept in flight. Each wave is read with `future.as_completed()` on a
-  feeder thread, and every group is rewarded (`reward_fn(group) -> n rewards`; None: the rows' own rewards, an
-  environment's) and judged (`accept(group) -> bool`; None: accept all) on a small thread pool as soon as it
-  finishes, while the others still generate. A raising `reward_fn` or `accept` fails that group only: its error is
-  kept (`errors`), it is counted (`stats["failed_groups"]`), and the collector goes on.
+- Prompts are drawn from `prompts` as groups are needed and submitted in waves (one `rollouts.submit` per wave),
+  each group sampled with `sampling` (one SamplingParams, or a function of the prompt giving its group's);
+  `over_sample` x `num_groups` are submitted first and every group refused (or failed, or stale) is replaced, so
+  (over_sample - 1) x `num_groups` more than still wanted stay in flight. Each wave is read with
+  `future.as_completed()` on a feeder thread, and every group is rewarded (`reward_fn(group) -> n rewards`; None:
+  the rows' own rewards, an environment's) and judged (`accept(group) -> bool`; None: accept all) on a small thread
+  pool as soon as it finishes, while the others still generate. A raising `reward_fn` or `accept` fails that group
+  only: its error is kept (`errors`), it is counted (`stats["failed_groups"]`), and the collector goes on.
 - `next_batch(num_groups)` returns once `num_groups` groups are accepted, oldest prompt first (carried groups
   first); `batch.prompt_index` is each prompt's position in the prompt stream (the k-th prompt drawn is k).
 - `partial=True`: what is unfinished when a batch returns keeps running and is used by the next call (finished
@@ -76,6 +78,7 @@ class _Group:
 
     draw: int  # the prompt's position in the stream: the batch's prompt_index
     prompt: Any
+    params: SamplingParams | None = None  # how its samples are drawn (set when it is first submitted)
     batch: RolloutBatch | None = None  # its rows, rewarded, once finished
     accepted: bool = False
     error: str = ""
@@ -94,7 +97,8 @@ class _Wave:
 
 
 class RolloutCollector:
-    def __init__(self, rollouts: Rollouts, prompts: Iterable[Any], sampling: SamplingParams | None = None,
+    def __init__(self, rollouts: Rollouts, prompts: Iterable[Any],
+                 sampling: SamplingParams | Callable[[Any], SamplingParams] | None = None,
                  reward_fn: Callable[[RolloutBatch], Any] | None = None,
                  accept: Callable[[RolloutBatch], bool] | None = None, over_sample: float = 1.0,
                  partial: bool = True, max_staleness: int = 1, cycle: bool = False, chat_template: bool = False,
@@ -115,9 +119,9 @@ class RolloutCollector:
                 raise invalid(name, value, "must be a bool", "use True or False")
         if sampling is None:
             sampling = SamplingParams()
-        if not isinstance(sampling, SamplingParams):
-            raise invalid("sampling", preview(sampling), "must be one SamplingParams for every group",
-                          "pass e.g. SamplingParams(n=8)")
+        if not isinstance(sampling, SamplingParams) and not callable(sampling):
+            raise invalid("sampling", preview(sampling), "must be one SamplingParams for every group, or a function "
+                          "of a prompt giving its group's", "pass e.g. SamplingParams(n=8)")
         if not hasattr(rollouts, "submit"):
             raise invalid("rollouts", type(rollouts).__name__, "must be a rollout.Rollouts (with submit)",
                           "pass a RolloutWorker or a RolloutFleet")
@@ -151,7 +155,7 @@ class RolloutCollector:
         taken: list[_Group] = []
         try:
             while len(taken) < num_groups:
-                self._top_up(num_groups - len(taken))
+                self._top_up(num_groups, len(taken))
                 group = self._wait_ready(deadline, len(taken), num_groups)
                 if group is None:
                     if self._source.exhausted:
@@ -205,22 +209,38 @@ class RolloutCollector:
         return batch
 
     # ------------------------------------------------------------------ waves
-    def _top_up(self, wanted: int) -> None:
-        """Submit new groups until over_sample x `wanted` are in flight or finished and unused."""
+    def _top_up(self, num_groups: int, accepted: int) -> None:
+        """Submit new groups until over_sample x `num_groups`, less those accepted already, are in flight or finished
+        and unused: the first wave over-samples, and every group refused (or failed, or stale) is replaced."""
         with self._cond:
             pending = sum(len(w.groups) - len(w.delivered) for w in self._waves) + self._scoring + len(self._ready)
-        missing = math.ceil(self.over_sample * wanted - 1e-9) - pending
+        missing = math.ceil(self.over_sample * num_groups - 1e-9) - accepted - pending
         if missing <= 0:
             return
         groups = self._source.take(missing)
+        for i, group in enumerate(groups):
+            try:
+                self._set_params(group)
+            except Exception as error:  # noqa: BLE001 - that prompt is dropped, the others kept
+                self._source.put_back(groups[:i] + groups[i + 1:])
+                raise ValueError(f"RolloutCollector: prompt_index {group.draw} of the prompt stream (dropped): "
+                                 f"{error}") from None
         if groups:
             self._submit(groups)
+
+    def _set_params(self, group: _Group) -> None:
+        if group.params is None:
+            params = self.sampling(group.prompt) if callable(self.sampling) else self.sampling
+            if not isinstance(params, SamplingParams):
+                raise invalid("sampling", preview(params), "the sampling function must return a SamplingParams",
+                              "return e.g. SamplingParams(n=8)")
+            group.params = params
 
     def _submit(self, groups: list[_Group]) -> None:
         version = self.rollouts.policy_version
         extra = self.spec.kwargs() if self.spec is not None else {}
         try:
-            future = self.rollouts.submit([g.prompt for g in groups], sampling=self.sampling,
+            future = self.rollouts.submit([g.prompt for g in groups], sampling=[g.params for g in groups],
                                           chat_template=self.chat_template, **extra)
         except ValueError as error:  # refused before anything ran: the bad prompt is dropped, the rest kept
             raise self._refused(groups, error) from None
@@ -307,7 +327,7 @@ class RolloutCollector:
             stale = [w for w in self._waves if w.version < self._oldest_allowed()]
         if stale:
             undelivered = self._cancel(stale)
-            self._stats["aborted_rows"] += self.sampling.n * len(undelivered)
+            self._stats["aborted_rows"] += sum(g.params.n for g in undelivered)
             self._requeue(undelivered)
 
     def _cancel(self, waves: list[_Wave]) -> list[_Group]:
@@ -331,7 +351,7 @@ class RolloutCollector:
         with self._cond:
             waves = list(self._waves)
         undelivered = self._cancel(waves)
-        self._stats["aborted_rows"] += self.sampling.n * len(undelivered)
+        self._stats["aborted_rows"] += sum(g.params.n for g in undelivered)
         with self._cond:
             self._cond.wait_for(lambda: self._scoring == 0)
             dropped, self._ready = list(self._ready), deque()
@@ -339,7 +359,7 @@ class RolloutCollector:
 
     def _requeue(self, groups: list[_Group]) -> None:
         """Regenerate these prompts first (same stream positions), as fresh groups."""
-        self._source.put_back([_Group(g.draw, g.prompt) for g in groups])
+        self._source.put_back([_Group(g.draw, g.prompt, g.params) for g in groups])
 
     def close(self) -> None:
         """Cancel everything in flight and stop the collector's threads; nothing of it stays on the rollout side."""

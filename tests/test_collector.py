@@ -300,3 +300,25 @@ def test_a_carried_episode_resumes_where_it_was_with_its_environment(own, versio
     assert (batch.token_versions[~batch.action_mask] == -1).all()
     assert worst_gap(versions, batch) <= TOL
     assert_nothing_left(own)
+
+
+def test_sampling_may_be_a_function_of_the_prompt_giving_its_groups_params(own):
+    prompts = prompts_of(8, seed=6)
+
+    def budget(prompt) -> int:
+        return 2 + len(prompt)
+
+    def per_prompt(prompt):
+        return SamplingParams(n=3 if len(prompt) % 2 else 2, max_new_tokens=budget(prompt), ignore_eos=True)
+
+    with RolloutCollector(own, prompts, per_prompt, over_sample=1.5, partial=False) as collector:
+        batch = collector.next_batch(4)
+    for r in range(len(batch)):
+        prompt = prompts[int(batch.prompt_index[r])]
+        assert batch.prompt_ids[r] == prompt and int(batch.completion_lengths[r]) == budget(prompt)
+    sizes = torch.bincount(batch.prompt_index)
+    assert all(int(sizes[i]) == per_prompt(prompts[i]).n for i in set(batch.prompt_index.tolist()))
+    with RolloutCollector(own, prompts, lambda p: {"n": 2}) as collector:
+        with pytest.raises(ValueError, match=r"prompt_index 0 of the prompt stream \(dropped\).*sampling="):
+            collector.next_batch(1)
+    assert_nothing_left(own)
