@@ -154,6 +154,14 @@ def test_carried_rows_are_exact_under_each_tokens_version_across_two_and_three_u
 
 def test_a_carried_row_older_than_max_staleness_is_aborted_and_regenerated(own, versions):
     prompts = prompts_of(30, seed=2)
+    submitted: dict[int, set] = {}  # policy version at submit -> the prompts submitted then
+    submit = own.submit
+
+    def recording(wave, *args, **kwargs):
+        submitted.setdefault(own.policy_version, set()).update(tuple(p) for p in wave)
+        return submit(wave, *args, **kwargs)
+
+    own.submit = recording
     with RolloutCollector(own, prompts, LONG, over_sample=3.0, partial=True, max_staleness=1) as collector:
         first = collector.next_batch(2)
         assert first.stats["in_flight_groups"] > 0
@@ -165,11 +173,11 @@ def test_a_carried_row_older_than_max_staleness_is_aborted_and_regenerated(own, 
         assert set(batch.stats["staleness_hist"]) <= {0, 1}
         assert int(batch.token_versions[batch.action_mask].min()) >= 1
         assert worst_gap(versions, batch) <= TOL
-        returned = set(first.prompt_index.tolist()) | set(batch.prompt_index.tolist())
         later = [collector.next_batch(4) for _ in range(3)]
-    returned |= {i for b in later for i in b.prompt_index.tolist()}
-    drawn = max(returned)
-    assert set(range(drawn + 1)) - returned == set() or len(set(range(drawn + 1)) - returned) < 12  # regenerated
+    for b in [batch, *later]:  # a regenerated prompt keeps its position in the stream
+        assert all(b.prompt_ids[r] == prompts[int(b.prompt_index[r])] for r in range(len(b)))
+    left_at_v0 = submitted[0] - {tuple(prompts[i]) for i in first.prompt_index.tolist()}
+    assert left_at_v0 and left_at_v0 <= submitted[2]  # every v0 group not returned in time was generated again
     assert_nothing_left(own)
 
 
