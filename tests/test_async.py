@@ -146,7 +146,7 @@ def test_recompute_switch_during_episodes(own):
 
     future = worker.submit(prompts_of([10, 17]), SamplingParams(n=2, max_new_tokens=30, ignore_eos=True),
                            env=Slowish, max_turns=4)
-    time.sleep(0.15)
+    wait_for_tokens(worker, 2)  # mid-episode, whatever the machine's load: every row has tokens of version 0
     worker.update_weights(models[1].state_dict(), in_flight="recompute")
     batch = future.result(timeout=120)
     assert batch.finish_reason == ["max_turns"] * 4
