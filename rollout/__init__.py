@@ -7,8 +7,9 @@ from .params import SamplingParams
 from .rollouts import Rollouts
 
 __version__ = "0.1.0"
-__all__ = ["Environment", "EpisodeSpec", "FleetResources", "RolloutBatch", "RolloutFleet", "RolloutWorker",
-           "Rollouts", "SamplingParams", "ToolEnvironment", "Turn", "WorkerConfig", "score"]
+__all__ = ["Environment", "EpisodeSpec", "FleetResources", "PromptsExhausted", "RolloutBatch", "RolloutCollector",
+           "RolloutFleet", "RolloutWorker", "Rollouts", "SamplingParams", "ToolEnvironment", "Turn", "WorkerConfig",
+           "nonzero_std", "score"]
 
 
 def __getattr__(name: str):  # heavy imports (transformers, Ray) only when used: `rollout --help` stays instant
@@ -24,6 +25,10 @@ def __getattr__(name: str):  # heavy imports (transformers, Ray) only when used:
         from .fleet.resources import FleetResources
 
         return FleetResources
+    if name in ("RolloutCollector", "PromptsExhausted", "nonzero_std"):
+        from . import collector
+
+        return getattr(collector, name)
     if name == "ToolEnvironment":
         from .tools import ToolEnvironment
 

@@ -36,7 +36,9 @@ class Rollouts(Protocol):
     def submit(self, prompts: Sequence[Any], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                chat_template: bool = False, env: EnvFactory | None = None, max_turns: int = 1,
                max_episode_tokens: int | None = None, env_timeout: float | None = 300.0) -> Any:
-        """`generate`, returning at once a future (`done()`, `result(timeout)`, `cancel()`; docs/async.md)."""
+        """`generate`, returning at once a future (`done()`, `result(timeout)`, `cancel()`; docs/async.md) whose
+        `as_completed(timeout)` yields each prompt's group as a RolloutBatch as soon as it finishes (docs/collector.md:
+        what `rollout.RolloutCollector` builds on)."""
 
     def update_weights(self, weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
                        version: int | None = None, full: bool = False, in_flight: str | None = None) -> int:

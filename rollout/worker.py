@@ -133,8 +133,8 @@ class RolloutWorker:
             call.settled.set()
         return future
 
-    def _batch_of(self, call: Call) -> RolloutBatch:
-        rows = sorted((s.row for s in call.samples), key=lambda r: (r.prompt_index, r.sample_index))
+    def _batch_of(self, rows: list) -> RolloutBatch:
+        rows = sorted(rows, key=lambda r: (r.prompt_index, r.sample_index))
         return RolloutBatch.from_rows(rows, pad_token_id=pad_token_id(self.tokenizer), tokenizer=self.tokenizer)
 
     def _prepare(self, prompts, sampling, chat_template, spec: EpisodeSpec | None = None) -> list[list[Sample]]:

@@ -421,6 +421,104 @@ def test_async_rollouts_refuse_a_worker_sharing_the_policy(tiny):
         GRPOConfig(async_rollouts=True, max_staleness=0)
 
 
+# ------------------------------------------------------------------------------------------ dynamic sampling
+def gated_reward(tok):
+    """digit_reward, but 0 for every row of a prompt whose first token is even: those groups have zero variance."""
+    digits = digit_reward(tok)
+
+    def reward(batch):
+        values = digits(batch)
+        gate = torch.tensor([float(p[0] % 2) for p in batch.prompt_ids])
+        return values * gate
+
+    return reward
+
+
+def step_prompts(tok):
+    words = "the a one two three four five six seven eight nine ten cat dog red blue".split()
+    return lambda step: [tok.encode(f"{words[(step * 4 + i) % 16]} {words[(step * 7 + 3 * i) % 16]} is")
+                         for i in range(4)]
+
+
+def spy_updates(trainer, monkeypatch) -> list:
+    """Record the (batch, rewards) every update trains on."""
+    seen = []
+    update = trainer._update
+
+    def recording(batch, rewards, ref):
+        seen.append((batch, rewards.clone()))
+        return update(batch, rewards, ref)
+
+    monkeypatch.setattr(trainer, "_update", recording)
+    return seen
+
+
+def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tiny, monkeypatch):
+    model, tok = tiny
+    config = GRPOConfig(num_generations=4, max_new_tokens=8, dynamic_sampling=True, over_sample=1.5)
+    with RolloutWorker(model, WorkerConfig(), tokenizer=tok) as worker:  # shared in place: nothing runs meanwhile
+        trainer = GRPOTrainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), gated_reward(tok),
+                              step_prompts(tok), worker, config)
+        seen = spy_updates(trainer, monkeypatch)
+        history = trainer.train(3)
+        trainer.close()
+        assert not worker.engine._pending and not worker.engine._calls  # partial=False: nothing left running
+    for (batch, rewards), m in zip(seen, history):
+        assert len(batch) == 16 and torch.equal(rewards, batch.rewards)
+        assert (rewards.view(4, 4).std(dim=1) > 0).all()  # every group trained on has a signal
+        assert all(p[0] % 2 == 1 for p in batch.prompt_ids)  # the gated (zero-variance) prompts never get in
+        assert m["accepted_groups"] == 4 and m["rejected_groups"] >= 1
+        assert m["zero_variance_frac"] == m["rejected_groups"] / (m["rejected_groups"] + 4)
+        assert m["logprob_gap_max"] < GAP and math.isfinite(m["loss"])
+
+
+def test_partial_rollouts_train_on_rows_spanning_versions_with_their_own_behaviour_logprobs(tiny_path,
+                                                                                         monkeypatch):
+    model, tok = load_tiny_model(tiny_path)
+    snapshots = {}
+    with RolloutWorker(tiny_path, WorkerConfig()) as worker:
+        config = GRPOConfig(num_generations=4, max_new_tokens=40, stop_token_ids=tuple(range(10, 16)),
+                            dynamic_sampling=True, partial_rollouts=True, over_sample=3.0, tis_cap=2.0)
+        trainer = GRPOTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), gated_reward(tok),
+                              step_prompts(tok), worker, config)
+        snapshots[0] = copy.deepcopy(model).eval()
+        seen = spy_updates(trainer, monkeypatch)
+        history = []
+        for step in range(4):
+            history.append(trainer.step())
+            snapshots[step + 1] = copy.deepcopy(model).eval()
+        trainer.close()
+        assert not worker.engine._pending and not worker.engine._calls
+    spanning = 0
+    for step, (batch, _) in enumerate(seen):
+        produced = batch.token_versions[batch.action_mask]
+        assert step - int(produced.min()) <= 1 and int(produced.max()) <= step  # max_staleness 1
+        for r, completion in enumerate(batch.completion_token_lists()):
+            versions = batch.token_versions[r, : len(completion)]
+            spanning += len(versions.unique()) > 1
+            for v in versions.unique().tolist():  # the behaviour logprob of every token: exact under its version
+                _, sampled = reference_logprobs(snapshots[v], batch.prompt_ids[r], completion, 1.0)
+                at = versions == v
+                assert torch.allclose(batch.sampling_logprobs[r, : len(completion)][at], sampled[at], atol=GAP)
+    assert spanning > 0 and sum(m["carried_rows"] for m in history) > 0  # rows carried across a weight push
+    assert max(m["staleness"] for m in history) == 1.0 and all(math.isfinite(m["loss"]) for m in history)
+
+
+def test_dynamic_sampling_config_and_sharing_are_checked_before_anything_runs(tiny):
+    for kwargs, match in [(dict(over_sample=0.5, dynamic_sampling=True), "over_sample"),
+                          (dict(over_sample=2.0), "over_sample=2.0 is invalid: only applies"),
+                          (dict(dynamic_sampling=True, async_rollouts=True), "async_rollouts"),
+                          (dict(partial_rollouts=1), "partial_rollouts")]:
+        with pytest.raises(ValueError, match=match):
+            GRPOConfig(**kwargs)
+    model, tok = tiny
+    with RolloutWorker(model, WorkerConfig(), tokenizer=tok) as worker:
+        with pytest.raises(ValueError, match="partial_rollouts=True is invalid with a RolloutWorker that shares"):
+            GRPOTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), digit_reward(tok), lambda s: ids(tok),
+                        worker, GRPOConfig(partial_rollouts=True))
+        assert not worker.engine._calls
+
+
 # ------------------------------------------------------------------------------------------ the demo, shortened
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory):
@@ -464,6 +562,21 @@ def test_the_async_demo_learns_like_the_synchronous_one(demo_dir, tmp_path, caps
     assert rc == 0 and "asynchronous rollouts" in out[0], "\n".join(out)
     records = [json.loads(line) for line in (demo_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["staleness"] for r in records][1:] == [1.0] * 11 and records[-1]["dropped_batches"] == 0.0
+
+
+def test_the_dynamic_demo_learns_and_plots_the_zero_variance_fraction(demo_dir, tmp_path, capsys):
+    from trainers_integration.demo import main
+
+    plot = tmp_path / "dynamic.png"
+    rc = main(["--dynamic", "--steps", "12", "--lr", "1e-2", "--seed", "0", "--out", str(demo_dir), "--plot", str(plot),
+               "--min-gain", "0.2"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0 and "dynamic sampling with partial rollouts" in out[0], "\n".join(out)
+    assert all("zero-var" in line for line in out if line.startswith("step "))
+    records = [json.loads(line) for line in (demo_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["zero_variance_frac"] > 0.3  # a random policy earns 0 on most groups
+    assert all(r["accepted_groups"] == 8 for r in records) and max(r["staleness"] for r in records) <= 1
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_demo_exits_nonzero_when_the_reward_does_not_rise(demo_dir, capsys):

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from rollout import EpisodeSpec, RolloutBatch, Rollouts
+from rollout.errors import invalid
 
 from . import losses
 from .config import RolloutTrainerConfig
@@ -50,6 +51,14 @@ class GRPOConfig(RolloutTrainerConfig):
     loss_norm: "token" (every token weighs the same) or "sequence" (every completion weighs the same).
     scale_rewards: divide group-centred rewards by the group std (False: Dr. GRPO).
     tis_cap: None, or the cap of truncated importance sampling against the rollout's logprobs.
+    dynamic_sampling: DAPO's filter: a group whose rewards are all equal (zero advantage) is dropped and another
+        prompt generated instead, so every step trains on as many groups as its prompt list holds
+        (`rollout.RolloutCollector` with accept=nonzero_std; metric `zero_variance_frac`).
+    over_sample: groups kept in flight per group still wanted (>= 1; with dynamic_sampling or partial_rollouts).
+    partial_rollouts: groups unfinished when a step's batch is complete keep generating and join a later step; the
+        weights pushed after each step land on them under `in_flight` ("recompute": every token exact under the
+        version that produced it), and no batch holds a token more than `max_staleness` versions old. The rollout
+        side must hold its own weights (a RolloutWorker on a checkpoint, or a fleet); use tis_cap as with async.
     """
 
     num_generations: int = 8
@@ -58,9 +67,29 @@ class GRPOConfig(RolloutTrainerConfig):
     loss_norm: str = "token"
     scale_rewards: bool = True
     tis_cap: float | None = None
+    dynamic_sampling: bool = False
+    over_sample: float = 1.0
+    partial_rollouts: bool = False
+
+    @property
+    def uses_collector(self) -> bool:
+        return self.dynamic_sampling or self.partial_rollouts
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        for name in ("dynamic_sampling", "partial_rollouts"):
+            if not isinstance(getattr(self, name), bool):
+                raise invalid(name, getattr(self, name), "must be a bool", "use True or False")
+        if isinstance(self.over_sample, bool) or not isinstance(self.over_sample, (int, float)) or \
+                not math.isfinite(self.over_sample) or self.over_sample < 1:
+            raise invalid("over_sample", self.over_sample, "must be a number >= 1", "use 1.0, or e.g. 1.5")
+        if self.over_sample != 1 and not self.uses_collector:
+            raise invalid("over_sample", self.over_sample, "only applies with dynamic_sampling or partial_rollouts",
+                          "set dynamic_sampling=True or partial_rollouts=True, or leave over_sample=1.0")
+        if self.uses_collector and self.async_rollouts:
+            raise invalid("async_rollouts", True, "cannot be combined with dynamic_sampling or partial_rollouts "
+                          "(they schedule rollouts differently)", "use partial_rollouts=True for overlap with "
+                          "dynamic sampling, or async_rollouts alone")
         if self.loss_norm not in losses.LOSS_NORMS:
             raise ValueError(f"loss_norm={self.loss_norm!r} is invalid: must be one of {losses.LOSS_NORMS}. Fix: "
                              "pick one of those.")
@@ -154,7 +183,8 @@ def format_metrics(m: dict[str, float]) -> str:
     return (f"step {m['step']:3d}  reward {m['reward_mean']:.3f} ± {m['reward_std']:.3f}  kl {kl}  "
             f"clip {m['clip_frac']:.3f}  gap {m['logprob_gap_max']:.1e}  "
             f"rollout {m['rollout_tokens_per_s']:.0f} tok/s ({m['rollout_s']:.2f}s)  "
-            f"train {m['train_s']:.2f}s  refresh {m['refresh_s'] * 1e3:.1f}ms")
+            f"train {m['train_s']:.2f}s  refresh {m['refresh_s'] * 1e3:.1f}ms  "
+            f"zero-var {m['zero_variance_frac']:.2f}")
 
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "clip_grad_norm", "format_metrics"]

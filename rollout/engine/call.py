@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -46,7 +47,11 @@ class Call:
     """The samples of one submitted generate call. It is over when every sample has a row, when a sample failed
     past its retries (`failure`), or when it was cancelled (`cancelled`: timed out, interrupted, or cancelled by its
     future). `on_over` runs once it is over, on the engine's supervisor thread (never on the engine thread, which
-    may be needed to pause the loop), and `settled` is set after it."""
+    may be needed to pause the loop), and `settled` is set after it.
+
+    Groups: the samples of one prompt. `finish` gives a sample its row (where the engine settles it, lock held);
+    when that completes the prompt's group, its index joins `completed` (finishing order) and `changed` is notified,
+    so a reader waits on `changed` instead of polling. `discarded_tokens` counts the tokens a cancel threw away."""
 
     samples: list[Sample] = field(default_factory=list)
     failure: str | None = None
@@ -54,10 +59,33 @@ class Call:
     index: int | None = None  # the call's order on its engine: keys the random streams of its unseeded samples
     on_over: Callable[["Call"], None] | None = None
     settled: threading.Event = field(default_factory=threading.Event)
+    completed: list[int] = field(default_factory=list)  # prompt indices whose every sample has its row, in order
+    changed: threading.Condition = field(default_factory=threading.Condition)
+    discarded_tokens: int = 0  # model tokens sampled for rows that a cancel dropped
 
     def __post_init__(self) -> None:
         for sample in self.samples:
             sample.call = self
+        self._left = Counter(sample.prompt_index for sample in self.samples)  # samples without a row, per prompt
+
+    @property
+    def num_groups(self) -> int:
+        return len(self._left)
+
+    def finish(self, sample: Sample, row: Row) -> None:
+        """`sample` has its final row; a group complete with it is announced."""
+        sample.row = row
+        self._left[sample.prompt_index] -= 1
+        if self._left[sample.prompt_index] == 0:
+            with self.changed:
+                self.completed.append(sample.prompt_index)
+                self.changed.notify_all()
+
+    def settle(self) -> None:
+        """The call is over and its `on_over` has run: wake every waiter."""
+        self.settled.set()
+        with self.changed:
+            self.changed.notify_all()
 
     def is_over(self) -> bool:
         return self.cancelled or self.failure is not None or all(s.row is not None for s in self.samples)

@@ -226,7 +226,7 @@ class Engine:
                 return
             if output.status == RequestStatus.FINISHED and output.error is None:
                 if sample.episode is None:
-                    sample.row = self._make_row(sample, output, sampling, versions)
+                    sample.call.finish(sample, self._make_row(sample, output, sampling, versions))
                 else:
                     self._step(sample, output, sampling, versions)
             else:
@@ -282,12 +282,12 @@ class Engine:
     def _end_episode(self, sample: Sample) -> None:
         episode = sample.episode
         self._stepper.close_env(episode.env)
-        sample.row = Row(sample.prompt_index, sample.sample_index, sample.prompt_ids, list(episode.tokens),
-                         list(episode.logprobs), list(episode.sampling_logprobs), episode.finish_reason,
-                         min(v for v in episode.token_versions if v >= 0), action_mask=list(episode.action_mask),
-                         reward=episode.reward, num_turns=episode.num_turns, error=episode.error,
-                         prompt_tokens=sample.prompt_tokens, reused_tokens=sample.reused_tokens,
-                         token_versions=list(episode.token_versions))
+        sample.call.finish(sample, Row(
+            sample.prompt_index, sample.sample_index, sample.prompt_ids, list(episode.tokens), list(episode.logprobs),
+            list(episode.sampling_logprobs), episode.finish_reason, min(v for v in episode.token_versions if v >= 0),
+            action_mask=list(episode.action_mask), reward=episode.reward, num_turns=episode.num_turns,
+            error=episode.error, prompt_tokens=sample.prompt_tokens, reused_tokens=sample.reused_tokens,
+            token_versions=list(episode.token_versions)))
 
     # ------------------------------------------------------------------ submission and waiting
     def submit(self, samples_by_prompt: list[list[Sample]], call: Call) -> None:
@@ -306,6 +306,8 @@ class Engine:
     def cancel(self, call: Call) -> None:
         """Cancel what is left of a call (nothing of it keeps running) and settle it."""
         with self._cond:
+            if not call.cancelled and not call.is_over():
+                call.discarded_tokens = self._sampled_tokens(call, self._requests_of(call))
             call.cancelled = True
             self._release(call)
             self._cond.notify_all()
@@ -332,7 +334,7 @@ class Engine:
                 if call.on_over is not None:
                     call.on_over(call)
             finally:
-                call.settled.set()
+                call.settle()
 
     def _submit(self, group: list[Sample]) -> None:
         """Submit samples of one prompt as one engine request whose children are the other samples (called with
@@ -383,11 +385,29 @@ class Engine:
             if sample.episode is not None and sample.row is None:  # an ended episode closed its own
                 self._stepper.close_env(sample.episode.env)
                 sample.episode.env = None
-        cancelled = [request_id for request_id, sample in self._pending.items() if sample.call is call]
+        cancelled = self._requests_of(call)
         for request_id in cancelled:
             self._pending.pop(request_id)
             self._manager.cancel_request(request_id)
         self._ledger.drop(cancelled)
+
+    def _requests_of(self, call: Call) -> list[str]:
+        return [request_id for request_id, sample in self._pending.items() if sample.call is call]
+
+    def _sampled_tokens(self, call: Call, request_ids: list[str]) -> int:
+        """Model tokens sampled so far for the samples of `call` whose group is not complete: finished rows, earlier
+        turns of episodes, and what its live engine requests sampled (lock held)."""
+        complete = set(call.completed)
+        total = sum(len(self._ledger.sampling.get(request_id, ())) for request_id in request_ids)
+        for sample in call.samples:
+            if sample.prompt_index in complete:
+                continue
+            if sample.row is not None:
+                total += sum(sample.row.action_mask) if sample.row.action_mask is not None else \
+                    len(sample.row.completion_ids)
+            elif sample.episode is not None:
+                total += sum(sample.episode.action_mask)
+        return total
 
     # ------------------------------------------------------------------ weight-change fence
     @contextlib.contextmanager
