@@ -9,7 +9,7 @@ from .rollouts import Rollouts
 __version__ = "0.1.0"
 __all__ = ["Environment", "EpisodeSpec", "FleetResources", "PromptsExhausted", "RolloutBatch", "RolloutCollector",
            "RolloutFleet", "RolloutWorker", "Rollouts", "SamplingParams", "ToolEnvironment", "Turn", "WorkerConfig",
-           "nonzero_std", "score"]
+           "nonzero_std", "score", "serve"]
 
 
 def __getattr__(name: str):  # heavy imports (transformers, Ray) only when used: `rollout --help` stays instant
@@ -33,6 +33,10 @@ def __getattr__(name: str):  # heavy imports (transformers, Ray) only when used:
         from .tools import ToolEnvironment
 
         return ToolEnvironment
+    if name == "serve":  # imports fastapi and uvicorn lazily
+        from .server import serve
+
+        return serve
     if name == "score":
         from .scoring import score
 

@@ -4,6 +4,7 @@
     future.done(); batch = future.result(timeout=None); future.cancel()
     for group in future.as_completed():             # one RolloutBatch per prompt, as soon as its n rows are back
         ...
+    future.add_done_callback(fn)                    # fn(future) once it is over, on the engine's supervisor thread
 
 `result` raises TimeoutError (the call goes on), concurrent.futures.CancelledError after a cancel, or RuntimeError
 when a sample failed past the worker's retries. The batch is built once, on the first `result`.
@@ -81,6 +82,11 @@ class RolloutFuture:
             raise CancelledError("this rollout was cancelled")
         if self._call.failure is not None:
             raise RuntimeError(self._call.failure)
+
+    def add_done_callback(self, fn: Callable[["RolloutFuture"], None]) -> None:
+        """Call `fn(future)` once the call is over (at once if it is): on the engine's supervisor thread, so it must
+        return quickly and not wait on the worker (hand the future to another thread or event loop)."""
+        self._call.add_done_callback(lambda: fn(self))
 
     def cancel(self) -> bool:
         """Stop what is left of the call (nothing of it keeps running); False if it was already over."""

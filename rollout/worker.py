@@ -18,7 +18,7 @@ import atexit
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -31,10 +31,12 @@ from .loading import load_model, loading_attention, pad_token_id
 from .prompts import prepare_call
 from .config import check_in_flight
 from .env import EnvFactory, EpisodeSpec
+from .errors import invalid
 from .future import RolloutFuture
 from .params import SamplingParams
 from . import adapters, weights as weights_mod
 
+TokenCallback = Callable[[int, int, list[int], list[float], list[int]], None]
 _LIVE_WORKERS: "weakref.WeakSet[RolloutWorker]" = weakref.WeakSet()
 
 
@@ -83,6 +85,16 @@ class RolloutWorker:
         return int(self.model.get_output_embeddings().weight.shape[0])
 
     @property
+    def max_context(self) -> int | None:
+        """The model's context length (`max_position_embeddings`), or None if its config has none."""
+        return getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The longest request (prompt + completion) the KV cache holds."""
+        return self.engine.max_request_tokens
+
+    @property
     def default_stop_ids(self) -> tuple[int, ...]:
         eos = self.model.generation_config.eos_token_id
         if eos is None:
@@ -114,23 +126,34 @@ class RolloutWorker:
 
     def submit(self, prompts: Sequence[Any], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                chat_template: bool = False, env: EnvFactory | None = None, max_turns: int = 1,
-               max_episode_tokens: int | None = None, env_timeout: float | None = 300.0) -> RolloutFuture:
+               max_episode_tokens: int | None = None, env_timeout: float | None = 300.0,
+               on_tokens: TokenCallback | None = None) -> RolloutFuture:
         """Validate the call, submit it and return at once (docs/async.md). Several calls may be in flight; weight
         updates may land while they run (`update_weights(..., in_flight=...)`), and every token of the result says
-        which version produced it (`batch.token_versions`)."""
+        which version produced it (`batch.token_versions`).
+
+        `on_tokens(prompt_index, sample_index, token_ids, logprobs, token_versions)` streams the call (not with
+        `env`): called on the engine thread after every step that samples a token for a row, with everything the row
+        has so far; it must return at once (hand the lists to another thread). A row re-run after an engine restart
+        or an "abort" update reports from its first token again. The batch at the end holds the same tokens."""
         if self._half_updated is not None:
             raise RuntimeError(f"the weights are half-updated: {self._half_updated}. Fix: send the whole state dict "
                                "with update_weights(..., full=True) before generating.")
         spec = EpisodeSpec.of(env, max_turns, max_episode_tokens, env_timeout)
+        if on_tokens is not None and (spec is not None or not callable(on_tokens)):
+            raise invalid("on_tokens", on_tokens, "must be a callable, and streams single-turn calls only",
+                          "drop env=... to stream, or on_tokens=... to run episodes")
         groups = self._prepare(prompts, sampling, chat_template, spec)
-        call = Call([s for group in groups for s in group], on_over=lambda _: self._leave_generation_mode())
+        call = Call([s for group in groups for s in group], on_over=lambda _: self._leave_generation_mode(),
+                    on_tokens=None if on_tokens is None else
+                    lambda s, ids, lps, vs: on_tokens(s.prompt_index, s.sample_index, ids, lps, vs))
         future = RolloutFuture(call, self.engine.cancel, self._batch_of)
         self._enter_generation_mode()
         if call.samples:
             self.engine.submit(groups, call)
         else:
             self._leave_generation_mode()
-            call.settled.set()
+            call.settle()
         return future
 
     def _batch_of(self, rows: list) -> RolloutBatch:
@@ -138,7 +161,7 @@ class RolloutWorker:
         return RolloutBatch.from_rows(rows, pad_token_id=pad_token_id(self.tokenizer), tokenizer=self.tokenizer)
 
     def _prepare(self, prompts, sampling, chat_template, spec: EpisodeSpec | None = None) -> list[list[Sample]]:
-        max_context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        max_context = self.max_context
         limit = self.engine.max_request_tokens if max_context is None else min(max_context,
                                                                                 self.engine.max_request_tokens)
         token_lists, params = prepare_call(prompts, sampling, self.tokenizer, chat_template, self.vocab_size,

@@ -253,6 +253,48 @@ def test_logprob_gap_catches_a_weight_sync_that_silently_does_nothing(tiny_path,
     assert second["logprob_gap_max"] > 1e-2  # the trainer moved on, the worker did not
 
 
+def test_learn_on_a_batch_generated_elsewhere_is_the_step_that_generated_it(tiny_path, monkeypatch):
+    """`learn(batch, rewards)` (batches an outside harness drove, e.g. through rollout.serve) makes the update and
+    the weight push `step` makes on the same batch: same parameters, same loss, the rollout side one version on."""
+    import trainers_integration.loop as loop
+
+    config = GRPOConfig(num_generations=4, max_new_tokens=6)
+    results = []
+    for how in ("step", "learn"):
+        model, tok = load_tiny_model(tiny_path)
+        with RolloutWorker(model, WorkerConfig(), tokenizer=tok) as worker:
+            batch = worker.generate(ids(tok)[:2], SamplingParams(n=4, max_new_tokens=6, seed=3))
+            rewards = digit_reward(tok)(batch) + torch.arange(len(batch)) / 10  # no group is all-equal
+            trainer = GRPOTrainer(model, torch.optim.SGD(model.parameters(), lr=0.5), lambda b: rewards,
+                                  lambda step: ids(tok)[:2], worker, config)
+            if how == "step":
+                monkeypatch.setattr(loop, "timed_generate", lambda *a, **k: (batch, 0.5))
+                metrics = trainer.step()
+                monkeypatch.undo()
+            else:
+                metrics = trainer.learn(batch, rewards.tolist(), rollout_s=0.5)
+            assert worker.policy_version == 1 and trainer.num_steps == 1 and trainer.history == [metrics]
+            results.append((metrics, torch.cat([p.detach().flatten() for p in model.parameters()])))
+    (stepped, after_step), (learned, after_learn) = results
+    assert learned["loss"] == stepped["loss"] and learned["reward_mean"] == stepped["reward_mean"]
+    assert learned["logprob_gap_max"] < GAP and learned["rollout_s"] == 0.5
+    torch.testing.assert_close(after_learn, after_step, atol=0, rtol=0)
+
+
+def test_learn_is_refused_by_a_loop_that_generates_its_own_batches_ahead(tiny_path):
+    model, tok = load_tiny_model(tiny_path)
+    with RolloutWorker(tiny_path, WorkerConfig()) as worker:
+        trainer = GRPOTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), digit_reward(tok),
+                              lambda step: ids(tok), worker, GRPOConfig(num_generations=2, max_new_tokens=4,
+                                                                         async_rollouts=True))
+        try:
+            with pytest.raises(ValueError, match="async_rollouts"):
+                trainer.learn(worker.generate(ids(tok)[:1], SamplingParams(n=2, max_new_tokens=2)), [0.0, 1.0])
+            assert trainer.num_steps == 0 and worker.policy_version == 0
+        finally:
+            trainer.close()
+
+
 def test_grpo_rejects_a_reward_per_prompt_instead_of_per_row(tiny):
     model, tok = tiny
     with RolloutWorker(model, WorkerConfig(), tokenizer=tok) as worker:

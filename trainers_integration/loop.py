@@ -95,6 +95,27 @@ class RolloutLoop:
                 rollout_s = time.perf_counter() - start  # what the step waited for: the rest overlapped training
             rewards = rewards_tensor(self.reward_fn(batch) if self.reward_fn is not None else batch.rewards,
                                      len(batch))
+        return self._learn(batch, rewards, start, rollout_s, version)
+
+    def learn(self, batch: RolloutBatch, rewards, rollout_s: float = 0.0) -> dict[str, float]:
+        """One step on a batch generated elsewhere: the update, then the new weights pushed to the rollout side
+        (what `step` does after it generated). For rollouts an outside harness drove, e.g. agent episodes run through
+        `rollout.serve` and taken with `server.take_episode(ids)`: rows grouped as the trainer expects (GRPO:
+        `num_generations` consecutive rows per group), `rewards` one float per row."""
+        start = time.perf_counter()
+        if self.pipeline is not None:
+            raise ValueError("learn() is invalid with async_rollouts=True: that loop generates its own batches "
+                             "ahead. Fix: use async_rollouts=False to train on batches generated elsewhere.")
+        if self.collector is not None:
+            raise ValueError("learn() is invalid with dynamic_sampling, over_sample or partial_rollouts: that loop's "
+                             "collector generates its own groups. Fix: turn those off to train on batches generated "
+                             "elsewhere.")
+        return self._learn(batch, rewards_tensor(rewards, len(batch)), start, rollout_s,
+                           self.base_version + self.num_steps)
+
+    def _learn(self, batch: RolloutBatch, rewards: torch.Tensor, start: float, rollout_s: float,
+               version: int) -> dict[str, float]:
+        cfg = self.config
         ref = reference_logprobs(self.ref_model, batch, cfg.temperature) if self.ref_model is not None else None
         train_start = time.perf_counter()
         stats = self._update(batch, rewards, ref)

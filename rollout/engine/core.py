@@ -219,6 +219,8 @@ class Engine:
         self._ledger.record(request_ids, values, self.version)
 
     def _on_output(self, output: GenerationOutput) -> None:
+        if output.error is None and output.status != RequestStatus.FINISHED and self._on_progress(output):
+            return
         with self._cond:
             sample = self._pending.pop(output.request_id, None)
             sampling, versions = self._ledger.pop(output.request_id)
@@ -233,6 +235,19 @@ class Engine:
                 sample.error = output.error or f"request ended with status {output.status!r}"
                 self._rerun.append(sample)
             self._cond.notify_all()
+
+    def _on_progress(self, output: GenerationOutput) -> bool:
+        """A streamed request's tokens so far (engine thread, after each of its steps): handed to its call's
+        `on_tokens`. False when the output is not a streamed one's progress (it is then handled as an output)."""
+        with self._cond:
+            sample = self._pending.get(output.request_id)
+            if sample is None or sample.call.on_tokens is None:
+                return sample is None  # a cancelled request's last progress is dropped
+            versions = list(self._ledger.versions.get(output.request_id, ()))
+        tokens, logprobs = output.generated_tokens, output.logprobs
+        count = min(len(tokens), len(logprobs), len(versions))
+        sample.call.on_tokens(sample, tokens[:count], logprobs[:count], versions[:count])
+        return True
 
     def _make_row(self, sample: Sample, output: GenerationOutput, sampling: list[float], versions: list[int]) -> Row:
         tokens = list(output.generated_tokens)
@@ -350,7 +365,8 @@ class Engine:
         self.num_prompt_tokens += len(context)
         head.prompt_tokens += len(context)
         state = RequestState(request_id=request_id, initial_tokens=list(context), num_children=len(group) - 1,
-                             max_new_tokens=head.budget(), eos_token_id=list(head.stop_ids))
+                             max_new_tokens=head.budget(), eos_token_id=list(head.stop_ids),
+                             streaming=head.call.on_tokens is not None)  # upstream delivers every step's progress
         self._manager.input_queue.put(state)
         self._manager._wake_up_loop.set()
 
