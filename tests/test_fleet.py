@@ -145,8 +145,9 @@ def test_actor_rebuilds_an_in_memory_model_with_identical_weights(tiny):
         actor = FleetActor(source, CONFIG, tok)
         try:
             assert actor.state() == (0, fingerprint(model))
-            rows = actor.generate([[5, 6, 7], [8, 9]], [SamplingParams(n=2, max_new_tokens=4)] * 2)
+            rows, metrics = actor.generate([[5, 6, 7], [8, 9]], [SamplingParams(n=2, max_new_tokens=4)] * 2)
             assert [[(r.prompt_index, r.sample_index) for r in g] for g in rows] == [[(0, 0), (0, 1)], [(1, 0), (1, 1)]]
+            assert metrics.generated_tokens == sum(len(r.completion_ids) for g in rows for r in g)
         finally:
             actor.close()
 

@@ -2,7 +2,9 @@
 
 A trainer subclasses `RolloutLoop` and implements `_update(batch, rewards, ref) -> dict of stats`; the loop owns
 the prompt stream, the rollout side's versioning (rollout versions continue from the worker's at construction),
-the timing and the metrics every step logs. With `config.async_rollouts` the rollouts come from a `Pipeline`
+the timing and the metrics every step logs: its own, the rollout side's (`rollout/...`), the share of zero-variance
+groups, and the trainer's `offpolicy/...` split (tracking.py); with a `tracker` (an `accelerate.Accelerator` built
+with `log_with=...`, or any object with `log(values, step=)`) each step's numbers go to it. With `config.async_rollouts` the rollouts come from a `Pipeline`
 (pipeline.py): submitted ahead, overlapping training, at most `max_staleness` versions old.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -17,6 +20,7 @@ from rollout import EpisodeSpec, RolloutBatch, Rollouts
 
 from .config import RolloutTrainerConfig
 from .pipeline import Pipeline, staleness
+from .tracking import loggable, rollout_metrics, zero_variance_fraction
 from .rollouts import (PromptsExhausted, prompt_stream, push_weights, reference_logprobs, rewards_tensor,
                        shares_model, timed_generate)
 
@@ -28,12 +32,14 @@ class RolloutLoop:
     ref_model: torch.nn.Module | None
     config: RolloutTrainerConfig
 
-    def _start_loop(self, prompts, episodes: EpisodeSpec | None = None) -> None:
+    def _start_loop(self, prompts, episodes: EpisodeSpec | None = None, tracker: Any = None) -> None:
         self.episodes = episodes
+        self.tracker = tracker
         self._prompts = prompt_stream(prompts)
         self.num_steps = 0
         self.history: list[dict[str, float]] = []
         self.base_version = int(getattr(self.rollouts, "policy_version", 0))  # rollout versions continue from here
+        self.step_version = self.base_version  # the version the trainer holds during a step's update
         shared = shares_model(self.rollouts, self.model)
         if self.config.async_rollouts and shared:
             raise ValueError("async_rollouts=True is invalid with a RolloutWorker that shares the policy in place: "
@@ -78,6 +84,7 @@ class RolloutLoop:
         rewards = rewards_tensor(self.reward_fn(batch) if self.reward_fn is not None else batch.rewards, len(batch))
         ref = reference_logprobs(self.ref_model, batch, cfg.temperature) if self.ref_model is not None else None
         train_start = time.perf_counter()
+        self.step_version = version  # tokens of older versions are stale
         stats = self._update(batch, rewards, ref)
         train_s = time.perf_counter() - train_start
         self.num_steps += 1
@@ -94,8 +101,12 @@ class RolloutLoop:
             "staleness": float(staleness(batch, version)),
             "dropped_batches": float(self.pipeline.num_dropped if self.pipeline is not None else 0),
             "step_s": time.perf_counter() - start,
+            "zero_variance_groups": zero_variance_fraction(rewards, batch.prompt_index),
+            **rollout_metrics(self.rollouts),
         }
         self.history.append(metrics)
+        if self.tracker is not None:
+            self.tracker.log(loggable(metrics), step=self.num_steps)
         return metrics
 
     def close(self) -> None:

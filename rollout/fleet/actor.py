@@ -2,7 +2,8 @@
 `ray.remote`; nothing here imports Ray).
 
 Calls speak token ids and plain data: `generate` returns the chunk's rows grouped by its prompts (prompt_ids left
-out: the caller has them). Weight updates arrive through a transport (transport.py): `receive` runs the transport's
+out: the caller has them), with the worker's metrics snapshot after them (so the fleet's totals keep what an actor
+counted even if it dies before the next `metrics()` call). Weight updates arrive through a transport (transport.py): `receive` runs the transport's
 receiving half here and applies what it returns atomically; `connect` runs its per-actor setup (e.g. joining a
 torch.distributed group). A model, a peer's state dict and the updates a replacement replays travel in the shared
 form of `to_shared` (numpy views of state-dict tensors: Ray stores numpy arrays in shared memory and hands them to
@@ -29,6 +30,7 @@ from .. import adapters
 from ..config import WorkerConfig
 from ..env import EpisodeSpec
 from ..loading import checkpoint_dir, load_tokenizer, model_from_state_dict
+from ..metrics import WorkerMetrics
 from ..worker import RolloutWorker
 
 
@@ -81,9 +83,10 @@ class FleetActor:
 
     # ------------------------------------------------------------------ work
     def generate(self, prompts: list[list[int]], sampling: list, spec: EpisodeSpec | None = None,
-                 indices: list[int] | None = None) -> list[list]:
-        """Rows of each prompt of the chunk, in the chunk's order; prompt_index is local to the chunk. `indices`
-        are the chunk's prompts' indices in the fleet's call, which an episode's make_env is called with."""
+                 indices: list[int] | None = None) -> tuple[list[list], WorkerMetrics]:
+        """(rows of each prompt of the chunk, in the chunk's order, the worker's metrics after them); prompt_index is
+        local to the chunk. `indices` are the chunk's prompts' indices in the fleet's call, which an episode's
+        make_env is called with."""
         self.busy = True
         try:
             episodes = {} if spec is None else \
@@ -91,7 +94,7 @@ class FleetActor:
             self._future = self.worker.submit(prompts, sampling=sampling, **episodes)
             batch = self._future.result()
         except CancelledError:  # the fleet cancelled its call (`cancel`): nobody waits for these rows
-            return [[] for _ in prompts]
+            return [[] for _ in prompts], self.worker.metrics()
         finally:
             self.busy = False
         grouped: list[list] = [[] for _ in prompts]
@@ -99,7 +102,7 @@ class FleetActor:
             grouped[row.prompt_index].append(dataclasses.replace(row, prompt_ids=[]))
         self.num_calls += 1
         self.num_rows += len(batch)
-        return grouped
+        return grouped, self.worker.metrics()
 
     def score(self, prompts: list, completions: list, temperature: Any, kwargs: dict) -> list[torch.Tensor]:
         self.busy = True
@@ -108,6 +111,10 @@ class FleetActor:
         finally:
             self.busy = False
             self.num_calls += 1
+
+    def metrics(self) -> WorkerMetrics:
+        """The worker's snapshot (control group: runs beside a generate)."""
+        return self.worker.metrics()
 
     def sleep(self) -> bool:
         self.worker.sleep()

@@ -43,10 +43,12 @@ from .actor import FleetActor, InMemoryModel, model_source, with_adapters
 from ..batch import RolloutBatch
 from ..config import WorkerConfig
 from .dispatch import Dispatcher
+from .meter import FleetMeter
 from ..config import check_in_flight
 from ..env import EnvFactory, EpisodeSpec
 from ..errors import check_int, invalid
 from ..loading import pad_token_id
+from ..metrics import FleetMetrics
 from ..prompts import prepare_call
 from .resources import FleetResources
 from .transport import Collective, ObjectStore, TransportFailed, WeightTransport
@@ -88,6 +90,7 @@ class RolloutFleet:
         self._lock = threading.RLock()  # fleet state; never held across a wait for actors' results
         self._calls = ThreadPoolExecutor(1, thread_name_prefix="rollout-fleet")  # submitted calls, in order
         self._actors, self._starting, self._down, self._pg = [], {}, set(), None
+        self._meter, self._metrics_server = FleetMeter(), None
         self._transport: WeightTransport = ObjectStore()
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
@@ -144,7 +147,19 @@ class RolloutFleet:
         def submit(actor, jobs: list[int]):
             return actor.generate.remote([token_lists[j] for j in jobs], [params[j] for j in jobs], spec, jobs)
 
-        grouped = self._scatter(costs, submit, timeout, [p.n for p in params], "generate", ("prompts", "rows"), cancel)
+        tokens_by_slot: dict[int, int] = {}
+
+        def unpack(slot: int, actor, jobs: list[int], value) -> list:
+            grouped, snapshot = value  # rows by prompt, and the actor's metrics after them
+            if self._actors[slot] is actor:
+                self._meter.actor_seen(slot, snapshot)
+            tokens_by_slot[slot] = tokens_by_slot.get(slot, 0) + sum(
+                len(token_lists[j]) + sum(len(r.completion_ids) for r in rows) for j, rows in zip(jobs, grouped))
+            return grouped
+
+        grouped = self._scatter(costs, submit, timeout, [p.n for p in params], "generate", ("prompts", "rows"), cancel,
+                                unpack)
+        self._meter.dispatched(tokens_by_slot, self.num_workers)
         rows = [dataclasses.replace(row, prompt_index=j, prompt_ids=list(token_lists[j]))
                 for j in range(len(token_lists)) for row in sorted(grouped[j], key=lambda r: r.sample_index)]
         newest = max((max(r.token_versions or [r.policy_version]) for r in rows), default=0)
@@ -183,6 +198,7 @@ class RolloutFleet:
         with self._lock:
             new_version = self.version + 1 if version is None else version
             self._await_starts()
+            start = time.perf_counter()
             pool = _Pool(self)
             try:
                 replay = self._transport.send(pool, items, new_version, full, mode)
@@ -201,6 +217,7 @@ class RolloutFleet:
             self._fingerprint = None
             self._num_updates += 1
             self._settle(verify=self._num_updates % self.verify_every == 0)
+            self._meter.weight_sync(time.perf_counter() - start, sum(t.numel() * t.element_size() for _, t in items))
             return new_version
 
     def sleep(self) -> None:
@@ -231,8 +248,37 @@ class RolloutFleet:
             self._settle()
             return self._fingerprint
 
+    def metrics(self, timeout: float = 10.0) -> FleetMetrics:
+        """The fleet's snapshot: `total` (as RolloutWorker.metrics, summed over actors; counters keep what replaced
+        actors had counted), `actors` (slot -> snapshot), and the fleet's own figures (replacements, dispatch
+        imbalance, weight-sync seconds and bytes). Each live actor answers beside its work (the control group); one
+        that does not answer within `timeout` keeps its last snapshot."""
+        with self._lock:
+            refs = {slot: (self._actors[slot], self._actors[slot].metrics.options(concurrency_group="control").remote())
+                    for slot in sorted(self._ready())}
+        for slot, (actor, ref) in refs.items():  # never wait for actors with the fleet's lock held
+            with contextlib.suppress(ray.exceptions.RayError):
+                snapshot = ray.get(ref, timeout=timeout)
+                with self._lock:
+                    if self._actors[slot] is actor:
+                        self._meter.actor_seen(slot, snapshot)
+        with self._lock:
+            return self._meter.snapshot(len(self._ready()), sum(self._restarts))
+
+    def serve_metrics(self, port: int, host: str = "127.0.0.1"):
+        """Serve `metrics()` for Prometheus on http://host:port/metrics until the fleet closes: the totals under the
+        worker's names, the fleet's own as `rollout_fleet_*`, each actor's as `rollout_actor_*{actor="<slot>"}`. As
+        RolloutWorker.serve_metrics: this machine only unless `host` says otherwise; one endpoint per fleet."""
+        from ..prometheus import serve
+
+        with self._lock:
+            self._metrics_server = serve(self._metrics_server, self.metrics, port, host, "fleet")
+            return self._metrics_server
+
     def close(self) -> None:
         """Stop every actor (engines first, briefly), the placement group, and Ray if this fleet started it."""
+        if getattr(self, "_metrics_server", None) is not None:
+            self._metrics_server.close()
         self._calls.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             ready = [self._actors[slot] for slot in sorted(self._ready())]  # a starting actor is just killed
@@ -259,9 +305,11 @@ class RolloutFleet:
 
     # ------------------------------------------------------------------ work across actors
     def _scatter(self, costs: list[int], submit: Callable, timeout: float | None, units: list[int], what: str,
-                 names: tuple[str, str], cancel: threading.Event | None = None) -> dict[int, Any]:
+                 names: tuple[str, str], cancel: threading.Event | None = None,
+                 unpack: Callable | None = None) -> dict[int, Any]:
         """Run every job on some actor, by load; survive deaths; job index -> result. The fleet's lock is taken for
-        each round of bookkeeping and released while waiting, so an update can land meanwhile."""
+        each round of bookkeeping and released while waiting, so an update can land meanwhile. `unpack(slot, actor,
+        jobs, value)` turns what an actor returned for a chunk into the chunk's per-job results (default: as is)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         plan = Dispatcher(costs, range(self.num_workers), self.chunks_per_worker)
         inflight: dict[Any, tuple[int, Any, Any]] = {}  # object ref -> (slot, chunk, the actor it went to)
@@ -287,7 +335,7 @@ class RolloutFleet:
                 with self._lock:
                     for ref in done:
                         if ref in inflight:
-                            self._collect(ref, inflight, plan, results, names[0])
+                            self._collect(ref, inflight, plan, results, names[0], unpack)
                         elif ref in self._starting.values():
                             self._started(next(s for s, r in self._starting.items() if r == ref))
         finally:
@@ -298,7 +346,8 @@ class RolloutFleet:
                         self._actors[slot].cancel.options(concurrency_group="control").remote()
         return results
 
-    def _collect(self, ref, inflight: dict, plan: Dispatcher, results: dict, jobs_name: str) -> None:
+    def _collect(self, ref, inflight: dict, plan: Dispatcher, results: dict, jobs_name: str,
+                 unpack: Callable | None = None) -> None:
         slot, chunk, actor = inflight.pop(ref)
         try:
             values = ray.get(ref)
@@ -313,6 +362,8 @@ class RolloutFleet:
             if self._actors[slot] is actor:  # not already replaced (an update that landed meanwhile replaces the dead)
                 self._replace(slot)
             return
+        if unpack is not None:
+            values = unpack(slot, actor, list(chunk.jobs), values)
         results.update(zip(chunk.jobs, values))
         plan.complete(slot, chunk)
 
@@ -383,6 +434,7 @@ class RolloutFleet:
             with contextlib.suppress(Exception):
                 ray.kill(old, no_restart=True)
             self._restarts[slot] += 1
+            self._meter.actor_replaced(slot)
             self._transport.actor_replaced()
         updates = self._restore_updates(slot)
         config = dataclasses.replace(self.config, seed=self.config.seed + ACTOR_SEED_STRIDE * (
