@@ -42,7 +42,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("sampled_tokens", COUNTER, "tokens", "every token the engine sampled, including those of requests later "
            "cancelled, aborted by a weight update or failed (throughput of the engine itself)"),
     Metric("prompt_tokens", COUNTER, "tokens", "tokens the engine's requests were prompted with (a prompt's n "
-           "samples: once; an episode: each turn's whole context)"),
+           "samples: once, unless they run as separate requests; an episode: each turn's whole context)"),
     Metric("prefix_cache_reused_tokens", COUNTER, "tokens", "of prompt_tokens, served by the prefix cache"),
     Metric("prefill_tokens", COUNTER, "tokens", "of prompt_tokens, prefilled (prompt_tokens - "
            "prefix_cache_reused_tokens)"),

@@ -96,8 +96,10 @@ def _check_address(port: int, host: str) -> None:
 
 def _port_error(exc: OSError, port: int, host: str) -> OSError:
     why = exc.strerror or str(exc)
-    return OSError(exc.errno, f"cannot serve metrics on {host} port {port}: {why}. Fix: pick another port (0 lets "
-                              "the system choose a free one), or stop what listens there")
+    error = OSError(f"cannot serve metrics on {host} port {port}: {why}. Fix: pick another port (0 lets the system "
+                    "choose a free one), or stop what listens there")
+    error.errno = exc.errno  # e.g. errno.EADDRINUSE, for callers that test it
+    return error
 
 
 def check_port(port: int, host: str = "127.0.0.1") -> None:

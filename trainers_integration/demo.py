@@ -61,8 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the model, the prompts and the sampling")
     parser.add_argument("--out", default="runs/demo", help="run directory: the tiny model and metrics.jsonl")
     parser.add_argument("--plot", default="runs/demo_reward.png", help="PNG of reward per step ('' to skip)")
-    parser.add_argument("--tensorboard", default="runs/demo/tensorboard", metavar="DIR", help="TensorBoard log "
-                        "directory: each run writes a subdirectory there ('' to skip)")
+    parser.add_argument("--tensorboard", default=None, metavar="DIR", help="TensorBoard log directory: each run "
+                        "writes a subdirectory there (default: OUT/tensorboard; '' to skip)")
     parser.add_argument("--lr", type=float, default=None, help="AdamW learning rate (high: a tiny model; default "
                         "5e-3, 3e-3 with --env, 2e-2 with --lora)")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
@@ -86,6 +86,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.tensorboard is None:
+        args.tensorboard = str(Path(args.out) / "tensorboard")
     if args.steps < 1:
         parser.error(f"--steps={args.steps} is invalid: run at least 1 step")
     return args

@@ -143,8 +143,9 @@ class LiveStatus:
     """The generate progress bar's status: engine tokens/s since the last read and KV use, from `source()` (a
     worker's or a fleet's `metrics`, set once the backend is up)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Any = time.perf_counter) -> None:
         self.source: Any = None
+        self.clock = clock
         self._last: tuple[float, int] | None = None
 
     def __call__(self) -> str:
@@ -152,7 +153,7 @@ class LiveStatus:
             return ""
         snapshot = self.source()
         m = getattr(snapshot, "total", snapshot)  # a fleet's totals
-        now = time.perf_counter()
+        now = self.clock()
         rate = 0.0 if self._last is None else (m.sampled_tokens - self._last[1]) / max(now - self._last[0], 1e-9)
         self._last = (now, m.sampled_tokens)
         return (f"{rate:.1f} tok/s, KV {100 * m.kv_cache_usage:.0f}% ({m.kv_pages_used}/{m.kv_pages_total} pages, "
