@@ -493,6 +493,20 @@ def test_fleet_metrics_total_every_actor_and_its_endpoint_serves_them(fleet, loc
     assert got[("rollout_fleet_actors_ready", ())] == 2 and got[("rollout_policy_version", ())] == fleet.policy_version
 
 
+def test_fleet_metrics_waits_once_for_actors_that_do_not_answer_and_keeps_their_last_snapshot(fleet):
+    before = fleet.metrics()
+    for actor in fleet.actors:  # both "control" slots of every actor busy: metrics() cannot run there for 8 s
+        for _ in range(2):
+            actor.__ray_call__.options(concurrency_group="control").remote(lambda self: time.sleep(8))
+    start = time.monotonic()
+    stale = fleet.metrics(timeout=3)
+    elapsed = time.monotonic() - start
+    assert 3 <= elapsed < 5.5  # one timeout for the whole fleet, not one per actor (2 x 3 s)
+    assert stale.actors == before.actors and stale.total == before.total
+    time.sleep(max(0.0, 8.5 - (time.monotonic() - start)))  # the sleeps end: later tests find the slots free
+    assert fleet.metrics().actors_ready == 2
+
+
 def test_close_stops_every_actor_and_the_ray_it_started(fleet):
     actors = fleet.actors
     fleet.close()

@@ -342,3 +342,16 @@ def test_flat_keys_and_fleet_totals_add_up():
     flat = a.flat()
     assert flat["rollout/rows_finished/stop"] == 2.0 and flat["rollout/tokens_by_versions_behind/2"] == 1.0
     assert flat["rollout/tokens_by_versions_behind/mean"] == 2 / 5 and flat["rollout/kv_pages_used"] == 3.0
+
+
+def test_dispatch_imbalance_is_the_busiest_actors_tokens_over_the_mean_and_an_empty_call_keeps_it():
+    from rollout.fleet.meter import FleetMeter
+
+    meter = FleetMeter()
+    assert meter.dispatch_imbalance == 1.0
+    meter.dispatched({0: 30, 1: 10}, num_actors=2)
+    assert meter.dispatch_imbalance == 30 / 20
+    meter.dispatched({}, num_actors=2)  # fleet.generate([]): nothing ran anywhere
+    assert meter.dispatch_imbalance == 30 / 20
+    meter.dispatched({1: 40}, num_actors=2)  # one actor of two ran everything
+    assert meter.dispatch_imbalance == 2.0

@@ -252,13 +252,17 @@ class RolloutFleet:
         """The fleet's snapshot: `total` (as RolloutWorker.metrics, summed over actors; counters keep what replaced
         actors had counted), `actors` (slot -> snapshot), and the fleet's own figures (replacements, dispatch
         imbalance, weight-sync seconds and bytes). Each live actor answers beside its work (the control group); one
-        that does not answer within `timeout` keeps its last snapshot."""
+        that does not answer within `timeout` seconds keeps its last snapshot."""
         with self._lock:
             refs = {slot: (self._actors[slot], self._actors[slot].metrics.options(concurrency_group="control").remote())
                     for slot in sorted(self._ready())}
+        answered = ray.wait([ref for _, ref in refs.values()], num_returns=len(refs), timeout=timeout)[0] if refs \
+            else []
         for slot, (actor, ref) in refs.items():  # never wait for actors with the fleet's lock held
-            with contextlib.suppress(ray.exceptions.RayError):
-                snapshot = ray.get(ref, timeout=timeout)
+            if ref not in answered:
+                continue
+            with contextlib.suppress(ray.exceptions.RayError):  # died meanwhile: its last snapshot stays
+                snapshot = ray.get(ref)
                 with self._lock:
                     if self._actors[slot] is actor:
                         self._meter.actor_seen(slot, snapshot)

@@ -34,7 +34,10 @@ class FleetMeter:
                 self.retired = self.retired + last.counters_only()
 
     def dispatched(self, tokens_by_slot: dict[int, int], num_actors: int) -> None:
-        """One generate call's tokens (prompt + completion) per actor that ran them, over `num_actors` actors."""
+        """One generate call's tokens (prompt + completion) per actor that ran them, over `num_actors` actors (a call
+        with nothing to run leaves the figure as it was)."""
+        if not tokens_by_slot:
+            return
         mean = sum(tokens_by_slot.values()) / max(num_actors, 1)
         with self._lock:
             self.dispatch_imbalance = max(tokens_by_slot.values()) / mean if mean else 1.0
