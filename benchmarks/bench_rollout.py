@@ -27,9 +27,10 @@ time for the step.
 
 `--metrics-ab` adds "worker[metrics stubbed]": the same worker built with the engine's counters stubbed out
 (`NullCounters`: every count a no-op), interleaved with the worker as another method, and prints what the counting
-itself took: the seconds spent inside the counters' methods over one more run of every step, per step and as a share
-of the step's wall time (an upper bound: the timer's own cost is included), and what one `worker.metrics()` snapshot
-costs (taken on demand, never on the engine's path).
+itself took: the CPU seconds spent inside the counters' methods over one more run of every step, per step and as a
+share of the steps' CPU time (an upper bound: the timer's own cost is included), and what one `worker.metrics()`
+snapshot costs (taken on demand, never on the engine's path). The A/B ratio is given in wall-clock tokens/s and in
+tokens per CPU-second (the load-robust one on a shared machine).
 
 Methods are interleaved round by round, so load from elsewhere hits them alike; the table shows medians. Extra
 memory: peak RSS (CPU) or peak allocated (GPU) during the method minus before it; the worker's is its start-up.
@@ -315,11 +316,14 @@ def main() -> None:
     gb_startup: list[float] = []
     base_rss = rss_mb()
 
+    cpu: dict[str, list[float]] = {}
+
     def timed(name: str, fn) -> None:
         with peak_memory(mem, name, device):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             count = fn()
             times.setdefault(name, []).append(time.perf_counter() - start)
+            cpu.setdefault(name, []).append(time.process_time() - cpu_start)  # every thread's CPU seconds
         tokens.setdefault(name, []).append(count)
         print(f"# round {len(times[name])} {name}: {count} tokens in {times[name][-1]:.2f} s", file=sys.stderr,
               flush=True)
@@ -416,11 +420,15 @@ def main() -> None:
     print("# targets: " + ", ".join(f"{k} {'MET' if v else 'missed'}" for k, v in targets.items()))
     if counting is not None:
         on, off = results["worker"]["useful_tokens_per_s"], results["worker[metrics stubbed]"]["useful_tokens_per_s"]
-        print(f"# metrics: worker / worker[metrics stubbed] = {on / off:.3f} (medians of {args.rounds} interleaved "
-              f"rounds); counting took {counting['counting_us_per_step']:.1f} us per engine step, "
-              f"{100 * counting['counting_share']:.3f}% of the step's wall time ({counting['steps']} steps, "
-              f"{counting['calls']} counter calls); one worker.metrics() snapshot {counting['snapshot_us']:.0f} us")
-        results["metrics"] = {"on_over_stubbed": on / off, **counting}
+        cpu_per_token = {name: statistics.median(c / t for c, t in zip(cpu[name], tokens[name]))
+                         for name in ("worker", "worker[metrics stubbed]")}
+        cpu_ratio = cpu_per_token["worker[metrics stubbed]"] / cpu_per_token["worker"]
+        print(f"# metrics: worker / worker[metrics stubbed] = {on / off:.3f} in wall-clock tokens/s, {cpu_ratio:.3f} "
+              f"in tokens per CPU-second (medians of {args.rounds} interleaved rounds); counting took "
+              f"{counting['counting_us_per_step']:.1f} us of CPU per engine step, {100 * counting['counting_share']:.3f}% "
+              f"of the steps' CPU time ({counting['steps']} steps, {counting['calls']} counter calls); one "
+              f"worker.metrics() snapshot {counting['snapshot_us']:.0f} us")
+        results["metrics"] = {"on_over_stubbed": on / off, "on_over_stubbed_cpu": cpu_ratio, **counting}
     print(f"# peak RSS of the process: {_max_rss_mb():.0f} MiB")
     print(json.dumps({"benchmark": "rollout", "model": label, "params_m": round(params_m, 1), "dtype": args.dtype,
                       "device": device.type, "prompts": args.prompts, "n": args.n, "rounds": args.rounds,
@@ -435,7 +443,9 @@ def config_of(args, attn: str) -> WorkerConfig:
 
 
 def measure_counting(model, args, steps) -> dict:
-    """Every step run once more on a worker whose counters time themselves: seconds inside them / wall seconds."""
+    """Every step run once more on a worker whose counters time themselves: CPU seconds inside them (the calling
+    thread's: a process stopped or descheduled meanwhile is not charged) over the process's CPU seconds (every
+    thread's). The clock's own cost is charged to the counters: an upper bound."""
     from unittest import mock
 
     from rollout.engine.counters import Counters
@@ -447,9 +457,9 @@ def measure_counting(model, args, steps) -> dict:
 
     for name in ("sampled", "kv_step", "preempted", "row", "episode", "env_step", "weight_update"):
         def timed(self, *a, _f=getattr(Counters, name), _step=name == "kv_step"):
-            start = time.perf_counter()
+            start = time.thread_time()
             _f(self, *a)
-            spent["s"] += time.perf_counter() - start
+            spent["s"] += time.thread_time() - start
             spent["calls"] += 1
             spent["steps"] += _step
 
@@ -459,17 +469,17 @@ def measure_counting(model, args, steps) -> dict:
     try:
         run_worker(worker, *steps[0], args.n)  # warm
         spent.update(s=0.0, calls=0, steps=0)
-        start = time.perf_counter()
+        start = time.process_time()
         for prompts, budgets in steps:
             run_worker(worker, prompts, budgets, args.n)
-        wall = time.perf_counter() - start
+        cpu_s = time.process_time() - start
         snap = time.perf_counter()
         for _ in range(100):
             worker.metrics()
         snapshot_us = (time.perf_counter() - snap) / 100 * 1e6
     finally:
         worker.close()
-    return {"counting_s": spent["s"], "wall_s": wall, "counting_share": spent["s"] / wall, "calls": spent["calls"],
+    return {"counting_s": spent["s"], "cpu_s": cpu_s, "counting_share": spent["s"] / cpu_s, "calls": spent["calls"],
             "steps": spent["steps"], "counting_us_per_step": spent["s"] / max(spent["steps"], 1) * 1e6,
             "snapshot_us": snapshot_us}
 
