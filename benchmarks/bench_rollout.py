@@ -425,8 +425,9 @@ def main() -> None:
         cpu_ratio = cpu_per_token["worker[metrics stubbed]"] / cpu_per_token["worker"]
         print(f"# metrics: worker / worker[metrics stubbed] = {on / off:.3f} in wall-clock tokens/s, {cpu_ratio:.3f} "
               f"in tokens per CPU-second (medians of {args.rounds} interleaved rounds); counting took "
-              f"{counting['counting_us_per_step']:.1f} us of CPU per engine step, {100 * counting['counting_share']:.3f}% "
-              f"of the steps' CPU time ({counting['steps']} steps, {counting['calls']} counter calls); one "
+              f"{counting['counting_us_per_step']:.1f} us of CPU per engine step, "
+              f"{100 * counting['counting_share']:.3f}% of the steps' CPU time ({counting['steps']} steps, "
+              f"{counting['calls']} counter calls); one "
               f"worker.metrics() snapshot {counting['snapshot_us']:.0f} us")
         results["metrics"] = {"on_over_stubbed": on / off, "on_over_stubbed_cpu": cpu_ratio, **counting}
     print(f"# peak RSS of the process: {_max_rss_mb():.0f} MiB")

@@ -22,8 +22,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from .errors import check_int, invalid
-from .metrics import (COUNTER, FLEET_METRICS, GAUGE, HISTOGRAM, METRICS, VERSIONS_BEHIND_BUCKETS, FleetMetrics, Histogram,
-                      Metric, WorkerMetrics)
+from .metrics import (COUNTER, FLEET_METRICS, GAUGE, HISTOGRAM, METRICS, VERSIONS_BEHIND_BUCKETS, FleetMetrics,
+                      Histogram, Metric, WorkerMetrics)
 
 PREFIX = "rollout_"
 Snapshot = Callable[[], "WorkerMetrics | FleetMetrics"]

@@ -4,8 +4,9 @@ A trainer subclasses `RolloutLoop` and implements `_update(batch, rewards, ref) 
 the prompt stream, the rollout side's versioning (rollout versions continue from the worker's at construction),
 the timing and the metrics every step logs: its own, the rollout side's (`rollout/...`), the share of zero-variance
 groups, and the trainer's `offpolicy/...` split (tracking.py); with a `tracker` (an `accelerate.Accelerator` built
-with `log_with=...`, or any object with `log(values, step=)`) each step's numbers go to it. With `config.async_rollouts` the rollouts come from a `Pipeline`
-(pipeline.py): submitted ahead, overlapping training, at most `max_staleness` versions old.
+with `log_with=...`, or any object with `log(values, step=)`) each step's numbers go to it. With
+`config.async_rollouts` the rollouts come from a `Pipeline` (pipeline.py): submitted ahead, overlapping training, at
+most `max_staleness` versions old.
 """
 
 from __future__ import annotations

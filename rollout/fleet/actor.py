@@ -3,13 +3,13 @@
 
 Calls speak token ids and plain data: `generate` returns the chunk's rows grouped by its prompts (prompt_ids left
 out: the caller has them), with the worker's metrics snapshot after them (so the fleet's totals keep what an actor
-counted even if it dies before the next `metrics()` call). Weight updates arrive through a transport (transport.py): `receive` runs the transport's
-receiving half here and applies what it returns atomically; `connect` runs its per-actor setup (e.g. joining a
-torch.distributed group). A model, a peer's state dict and the updates a replacement replays travel in the shared
-form of `to_shared` (numpy views of state-dict tensors: Ray stores numpy arrays in shared memory and hands them to
-every actor on the node without a copy or unpickling; torch tensors it would pickle, copy and rebuild per reader).
-The read-only methods (`info`, `state`, `state_dict`) are meant to run in a separate concurrency group, so
-monitoring and restoring a peer never wait behind a generate.
+counted even if it dies before the next `metrics()` call). Weight updates arrive through a transport (transport.py):
+`receive` runs the transport's receiving half here and applies what it returns atomically; `connect` runs its
+per-actor setup (e.g. joining a torch.distributed group). A model, a peer's state dict and the updates a replacement
+replays travel in the shared form of `to_shared` (numpy views of state-dict tensors: Ray stores numpy arrays in
+shared memory and hands them to every actor on the node without a copy or unpickling; torch tensors it would pickle,
+copy and rebuild per reader). The read-only methods (`info`, `state`, `state_dict`) are meant to run in a separate
+concurrency group, so monitoring and restoring a peer never wait behind a generate.
 """
 
 from __future__ import annotations
