@@ -52,5 +52,12 @@ class Rollouts(Protocol):
               **kwargs: Any) -> list[torch.Tensor]:
         """Teacher-forced logprobs of stored completions with the rollout side's weights (see rollout.scoring)."""
 
+    def metrics(self) -> Any:
+        """A snapshot of counters and gauges (rollout.metrics: WorkerMetrics, or a fleet's FleetMetrics with its
+        totals); names, units and meanings in docs/observability.md."""
+
+    def serve_metrics(self, port: int, host: str = "127.0.0.1") -> Any:
+        """Serve `metrics()` for Prometheus on http://host:port/metrics (rollout.prometheus.MetricsServer)."""
+
     def close(self) -> None:
         """Stop the engine(s); the object is unusable afterwards."""

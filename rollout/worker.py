@@ -6,6 +6,8 @@
     worker.refresh()                           # shared model: fence, cache invalidation, version bump
     worker.update_weights(state_dict)          # own copy: atomic, validated, in-place copy
     worker.sleep(); ...train...; worker.wake() # colocated with a trainer: the KV cache is freed while it trains
+    worker.metrics()                           # counters and gauges (rollout/metrics.py); docs/observability.md
+    worker.serve_metrics(9400)                 # the same, for Prometheus, on http://127.0.0.1:9400/metrics
 
 One persistent engine per worker (started once; rebuilt when it wakes from `sleep`). A shared model is used in
 place: generate leaves its training flag and attention implementation as it found them, and never touches its
@@ -28,6 +30,7 @@ from .config import WorkerConfig
 from .engine import (Call, Engine, Episode, Sample, current_attn_implementation, resolve_attn_implementation,
                      set_attn_implementation)
 from .loading import load_model, loading_attention, pad_token_id
+from .metrics import WorkerMetrics
 from .prompts import prepare_call
 from .config import check_in_flight
 from .env import EnvFactory, EpisodeSpec
@@ -69,6 +72,7 @@ class RolloutWorker:
             self._set_attn(self._user_attn)
         self._digests = weights_mod.DigestCache()  # per-tensor checksums: a fingerprint re-reads only what changed
         self._half_updated: str | None = None  # why a bucketed update stopped midway (see update_weights_by_bucket)
+        self._metrics_server = None  # the Prometheus endpoint, when serve_metrics started one
         _LIVE_WORKERS.add(self)
 
     # ------------------------------------------------------------------ properties
@@ -335,8 +339,28 @@ class RolloutWorker:
         finally:
             self._leave_generation_mode()
 
+    # ------------------------------------------------------------------ observability
+    def metrics(self) -> WorkerMetrics:
+        """A snapshot of what this worker has done since it started (counters: tokens, rows by finish reason,
+        preemptions, restarts, weight updates, ...) and holds now (gauges: requests, KV pages, version); names,
+        units and meanings in rollout/metrics.py and docs/observability.md."""
+        return WorkerMetrics.of(*self.engine.metrics())
+
+    def serve_metrics(self, port: int, host: str = "127.0.0.1"):
+        """Serve `metrics()` for Prometheus on http://host:port/metrics until the worker closes (or the returned
+        `MetricsServer` is closed). Listens on this machine only unless `host` says otherwise (e.g. "0.0.0.0").
+        One endpoint per worker: a second call is refused while the first serves. `port=0` picks a free port."""
+        from .prometheus import serve
+
+        with self._lock:
+            self._metrics_server = serve(self._metrics_server, self.metrics, port, host, "worker")
+            return self._metrics_server
+
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
+        server = getattr(self, "_metrics_server", None)
+        if server is not None:
+            server.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.close()

@@ -155,8 +155,9 @@ def test_actor_rebuilds_an_in_memory_model_with_identical_weights(tiny):
         try:
             assert actor.state() == (0, fingerprint(model))
             streamed = dict(actor.generate([[5, 6, 7], [8, 9]], [SamplingParams(n=2, max_new_tokens=4)] * 2))
-            rows = [streamed[0], streamed[1]]  # one item per prompt, as its group finished
+            rows, metrics = [streamed[0], streamed[1]], streamed[-1]  # one item per prompt, then the metrics
             assert [[(r.prompt_index, r.sample_index) for r in g] for g in rows] == [[(0, 0), (0, 1)], [(1, 0), (1, 1)]]
+            assert metrics.generated_tokens == sum(len(r.completion_ids) for g in rows for r in g)
         finally:
             actor.close()
 
@@ -332,6 +333,7 @@ def test_episodes_run_on_the_actors_with_the_calls_own_prompt_indices(fleet, loc
 
 def test_an_actor_killed_mid_generate_loses_no_row_and_comes_back_on_current_weights(fleet, local):
     victim, killed = fleet.actors[0], threading.Event()
+    before = fleet.metrics()
 
     def kill_when_busy() -> None:
         deadline = time.monotonic() + 120
@@ -356,6 +358,10 @@ def test_an_actor_killed_mid_generate_loses_no_row_and_comes_back_on_current_wei
     batch = fleet.generate(prompts[:6], params[:6])
     assert_exact(local, batch, prompts[:6], params[:6])
     assert _stats(fleet)[0]["num_rows"] > 0  # the replacement took work
+    after = fleet.metrics()  # the dead actor's counts stay in the totals: nothing goes backwards
+    assert after.actor_replacements == before.actor_replacements + 1
+    assert after.total.generated_tokens >= before.total.generated_tokens + int(batch.completion_lengths.sum())
+    assert all(after.total.rows_finished[k] >= v for k, v in before.total.rows_finished.items())
 
 
 def test_gloo_group_broadcast_sends_nothing_through_the_object_store(fleet, local, monkeypatch):
@@ -512,6 +518,59 @@ def test_the_collector_filters_and_carries_groups_on_the_fleet_exactly(fleet, lo
     while any(s["busy"] for s in _stats(fleet)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(s["busy"] for s in _stats(fleet))  # closed: nothing of the collector's runs on the actors
+
+
+def test_fleet_metrics_total_every_actor_and_its_endpoint_serves_them(fleet, local):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    before = fleet.metrics()
+    assert before.actors_ready == 2 and sorted(before.actors) == [0, 1]
+    prompts = [prompt_of(5 + 4 * i, 200 + i) for i in range(8)]
+    params = [SamplingParams(n=2, max_new_tokens=5 + i, ignore_eos=True) for i in range(8)]
+    batch = fleet.generate(prompts, params)
+    after = fleet.metrics()
+    tokens = int(batch.completion_lengths.sum())
+    assert after.total.generated_tokens - before.total.generated_tokens == tokens
+    assert after.total.rows_finished["length"] - before.total.rows_finished.get("length", 0) == 16
+    assert sum(m.generated_tokens - before.actors[slot].generated_tokens for slot, m in after.actors.items()) == tokens
+    assert all(m.generated_tokens > before.actors[slot].generated_tokens for slot, m in after.actors.items())
+    assert after.dispatch_imbalance >= 1.0 and after.total.kv_pages_total == 2 * CONFIG.num_blocks
+    # a weight sync: counted once for the fleet, with the bytes of every tensor sent
+    weights = {name: t.clone() for name, t in local.state_dict().items()}
+    fleet.update_weights(weights, version=fleet.policy_version + 1)
+    synced = fleet.metrics()
+    assert synced.weight_syncs == after.weight_syncs + 1 and synced.weight_sync_seconds > after.weight_sync_seconds
+    assert synced.weight_sync_bytes - after.weight_sync_bytes == sum(t.numel() * t.element_size()
+                                                                     for t in weights.values())
+    assert synced.total.weight_updates["wait"] == after.total.weight_updates.get("wait", 0) + 2  # on both actors
+    server = fleet.serve_metrics(0)
+    with pytest.raises(RuntimeError, match="already serves"):
+        fleet.serve_metrics(0)
+    text = urllib.request.urlopen(server.url, timeout=30).read().decode()
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for family in text_string_to_metric_families(text) for s in family.samples}
+    now = fleet.metrics()  # nothing ran since the scrape: the same counts
+    assert got[("rollout_generated_tokens_total", ())] == now.total.generated_tokens
+    for slot, m in now.actors.items():
+        assert got[("rollout_actor_generated_tokens_total", (("actor", str(slot)),))] == m.generated_tokens
+    assert got[("rollout_fleet_weight_syncs_total", ())] == now.weight_syncs
+    assert got[("rollout_fleet_actors_ready", ())] == 2 and got[("rollout_policy_version", ())] == fleet.policy_version
+
+
+def test_fleet_metrics_waits_once_for_actors_that_do_not_answer_and_keeps_their_last_snapshot(fleet):
+    before = fleet.metrics()
+    for actor in fleet.actors:  # both "control" slots of every actor busy: metrics() cannot run there for 8 s
+        for _ in range(2):
+            actor.__ray_call__.options(concurrency_group="control").remote(lambda self: time.sleep(8))
+    start = time.monotonic()
+    stale = fleet.metrics(timeout=3)
+    elapsed = time.monotonic() - start
+    assert 3 <= elapsed < 5.5  # one timeout for the whole fleet, not one per actor (2 x 3 s)
+    assert stale.actors == before.actors and stale.total == before.total
+    time.sleep(max(0.0, 8.5 - (time.monotonic() - start)))  # the sleeps end: later tests find the slots free
+    assert fleet.metrics().actors_ready == 2
 
 
 def test_close_stops_every_actor_and_the_ray_it_started(fleet):

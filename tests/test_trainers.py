@@ -132,6 +132,22 @@ def test_kl_shaped_rewards_put_the_score_on_the_last_real_token():
                                t([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]]))
 
 
+def test_the_offpolicy_split_and_zero_variance_groups_by_hand():
+    from trainers_integration.tracking import offpolicy_split, zero_variance_fraction
+
+    trainer, behaviour = t([[-1.0, -2.0, -3.0], [-1.0, -1.5, 0.0]]), t([[-1.5, -2.0, -1.0], [-1.25, -1.0, 9.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    versions = torch.tensor([[2, 3, 3], [3, 3, -1]])
+    split = offpolicy_split(trainer, behaviour, mask, versions, version=3)
+    assert split == {"offpolicy/gap_current": pytest.approx((0.0 + 2.0 + 0.25 + 0.5) / 4),
+                     "offpolicy/gap_stale": pytest.approx(0.5), "offpolicy/stale_token_fraction": 0.2}
+    ahead = offpolicy_split(trainer, behaviour, mask, versions, version=4)  # the trainer moved on: all stale
+    assert math.isnan(ahead["offpolicy/gap_current"]) and ahead["offpolicy/stale_token_fraction"] == 1.0
+    rewards, groups = t([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 2.0]), torch.tensor([0, 0, 1, 1, 2, 2, 3])
+    assert zero_variance_fraction(rewards, groups) == 2 / 3  # prompt 3 has one sample: not a group
+    assert math.isnan(zero_variance_fraction(t([1.0]), torch.tensor([0])))
+
+
 def test_clipped_value_loss_hand_values():
     values, old, returns = t([0.5, -0.5, 0.1]), t([0.0, 0.0, 0.0]), t([1.0, -1.0, 1.0])
     loss, clipped = losses.clipped_value_loss(values, old, returns, clip=0.2)
@@ -430,6 +446,11 @@ def test_async_grpo_trains_on_batches_at_most_one_version_old_whose_tokens_span_
         trainer.close()
         assert worker.policy_version == 4 and worker.weights_fingerprint() == _fingerprint(model)
     assert [m["staleness"] for m in history] == [0.0, 1.0, 1.0, 1.0] and history[-1]["dropped_batches"] == 0.0
+    # the off-policy split: tokens of the weights the trainer holds are exact (numerics only), older ones are not
+    assert math.isnan(history[0]["offpolicy/gap_stale"]) and history[0]["offpolicy/stale_token_fraction"] == 0
+    for m in history[1:]:  # a batch finished before the update landed is all stale
+        assert m["offpolicy/stale_token_fraction"] > 0 and not m["offpolicy/gap_current"] >= GAP
+        assert m["offpolicy/gap_stale"] > 100 * GAP
     assert len(batches) == 5  # steps 0..4 submitted: step t+1 was generating while step t trained
     trained = [f.result() for f in batches[1:4]]
     assert all(int(b.token_versions[b.action_mask].min()) == t for t, b in enumerate(trained))
@@ -582,6 +603,15 @@ def test_demo_learns_in_a_few_steps(demo_dir, tmp_path, capsys):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     records = [json.loads(line) for line in (demo_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 12 and max(r["logprob_gap_max"] for r in records) < GAP
+    # every step's metrics, the rollout worker's included, also went to a TensorBoard run through accelerate
+    run = next(line for line in out if line.startswith("tensorboard: ")).split()[1]
+    assert run.startswith(str(demo_dir / "tensorboard"))
+    scalars = tensorboard_scalars(run)
+    for key in ("reward_mean", "rollout/generated_tokens", "rollout/kv_pages_peak", "offpolicy/gap_current",
+                "zero_variance_groups", "rollout/rows_finished/length"):
+        assert scalars[key] == [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in records], key
+    assert all(r["rollout/generated_tokens"] == sum(x["rollout_tokens"] for x in records[: i + 1])
+               for i, r in enumerate(records))  # the worker's counter: every token the trainer got, cumulated
 
 
 def test_the_multi_turn_demo_runs_episodes_and_plots_the_blind_ceiling(demo_dir, tmp_path, capsys):
@@ -626,6 +656,15 @@ def test_demo_exits_nonzero_when_the_reward_does_not_rise(demo_dir, capsys):
 
     assert main(["--steps", "1", "--out", str(demo_dir), "--plot", ""]) == 1
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("reward: ")
+
+
+def tensorboard_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of a TensorBoard run, read back with TensorBoard's own event reader: tag -> [(step, value)]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
 def _fingerprint(model):

@@ -6,8 +6,10 @@ few dozen steps. Nothing is downloaded: the model and its tokenizer are built lo
 
 Each step prints reward, KL to the initial policy, the train/rollout logprob gap (the health metric of the weight
 sync: ~1e-6 here, because trainer and worker share the parameters) and rollout tokens/s. The run saves a PNG of
-reward per step and per-step metrics as JSON lines, prints `reward: <first> -> <last>` (first step; mean of the
-last tenth of the steps) and exits 1 if the reward did not rise by at least `--min-gain`.
+reward per step, per-step metrics as JSON lines, and a TensorBoard run of every step's metrics (the trainer's, the
+off-policy split, the rollout worker's `rollout/...` counters and gauges: docs/observability.md) through accelerate's
+tracker, whose directory it prints; then `reward: <first> -> <last>` (first step; mean of the last tenth of the
+steps), and it exits 1 if the reward did not rise by at least `--min-gain`.
 
     rollout demo --steps 40 --seed 0          # or: python -m trainers_integration.demo
     rollout demo --lora                       # rank-8 LoRA adapters (PEFT) on a frozen base, shared in place
@@ -67,6 +69,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the model, the prompts and the sampling")
     parser.add_argument("--out", default="runs/demo", help="run directory: the tiny model and metrics.jsonl")
     parser.add_argument("--plot", default="runs/demo_reward.png", help="PNG of reward per step ('' to skip)")
+    parser.add_argument("--tensorboard", default=None, metavar="DIR", help="TensorBoard log directory: each run "
+                        "writes a subdirectory there (default: OUT/tensorboard; '' to skip)")
     parser.add_argument("--lr", type=float, default=None, help="AdamW learning rate (high: a tiny model; default "
                         "5e-3, 3e-3 with --env, 2e-2 with --lora)")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
@@ -98,6 +102,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.tensorboard is None:
+        args.tensorboard = str(Path(args.out) / "tensorboard")
     if args.steps < 1:
         parser.error(f"--steps={args.steps} is invalid: run at least 1 step")
     return args
@@ -156,6 +162,23 @@ def save_plot(rewards: list[float], path: str, title: str, blind: float | None =
     plt.close(fig)
 
 
+def open_tracker(args: argparse.Namespace):
+    """(accelerate's Accelerator logging to TensorBoard under args.tensorboard/<run>, that run's directory), or
+    (None, None) when skipped or when accelerate / tensorboard are not installed (said once)."""
+    if not args.tensorboard:
+        return None, None
+    from .tracking import make_tracker, tracker_missing
+
+    missing = tracker_missing("tensorboard")
+    if missing:
+        print(f"tensorboard: skipped ({missing}). Fix: pip install 'rollout[dev]'", file=sys.stderr)
+        return None, None
+    run = f"{args.env or 'target'}{'-lora' if args.lora else ''}{'-async' if args.async_rollouts else ''}" \
+          f"-seed{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "plot", "tensorboard")}
+    return make_tracker(args.tensorboard, run, config=config), Path(args.tensorboard) / run
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
@@ -191,10 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     rewards, zero_variance = [], []
     source = out / "model" if overlapped else model  # rollouts running while it trains: the worker's own copy
+    tracker, run_dir = open_tracker(args)
     with RolloutWorker(source, WorkerConfig(seed=args.seed), tokenizer=tokenizer) as worker, \
             open(out / "metrics.jsonl", "w") as log:
         trainer = GRPOTrainer(model, optimizer, reward_fn, make_prompts(tokenizer, args.prompts, args.seed), worker,
-                              config, ref_model=ref, episodes=episodes)
+                              config, ref_model=ref, episodes=episodes, tracker=tracker)
         for step in range(args.steps):
             if make_env is not None:
                 make_env.step = step  # a new secret per step
@@ -204,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
             log.write(json.dumps(metrics) + "\n")
             print(format_metrics(metrics), flush=True)
         trainer.close()
+    if tracker is not None:
+        tracker.end_training()  # flushes the event files
+        print(f"tensorboard: {run_dir} (view: tensorboard --logdir {args.tensorboard})")
     tail = rewards[-max(3, len(rewards) // 10):]  # the last tenth of the run (at least 3 steps)
     first, last = rewards[0], sum(tail) / len(tail)
     if args.plot:

@@ -18,7 +18,10 @@ Contract of one step:
 
 Logged per step: reward mean/std, KL to the reference (when given), clip fraction, rollout tokens/s, rollout /
 train / refresh seconds, and the behaviour/proximal logprob gap on the first epoch (`logprob_gap_*`: ~1e-6 for a
-synchronous loop, larger as asynchronous batches grow stale), staleness and dropped batches.
+synchronous loop, larger as asynchronous batches grow stale), split by the tokens' versions (`offpolicy/gap_current`
+for tokens of the weights the trainer holds: numerics alone; `offpolicy/gap_stale` for older ones), staleness and
+dropped batches, the share of zero-variance groups (`zero_variance_groups`), and the rollout side's metrics
+(`rollout/...`, docs/observability.md); with `tracker=accelerator`, all of it through accelerate's trackers.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from .config import RolloutTrainerConfig
 from .forward import completion_logprobs, pack
 from .loop import RolloutLoop
 from .rollouts import logprob_gap, pad_token_id
+from .tracking import offpolicy_split
 
 RewardFn = Callable[[RolloutBatch], Any]
 
@@ -103,6 +107,7 @@ class GRPOTrainer(RolloutLoop):
     model: the policy being trained; optimizer: over its parameters; reward_fn(batch) -> R floats;
     prompts: `step -> list of prompts` or an iterable of per-step prompt lists (token ids, text, or chat messages);
     ref_model: frozen reference for the KL (scored through `rollout.score`);
+    tracker: where each step's metrics are logged (`accelerator` built with `log_with=...`; see tracking.py);
     episodes: multi-turn episodes (`rollout.EpisodeSpec(make_env, max_turns=...)`): every sample is an episode, the
     loss covers the model's tokens only (`batch.action_mask`), and reward_fn may be None to train on the
     environments' own rewards (`batch.rewards`).
@@ -110,14 +115,14 @@ class GRPOTrainer(RolloutLoop):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, reward_fn: RewardFn | None, prompts,
                  rollouts: Rollouts, config: GRPOConfig | None = None, ref_model: torch.nn.Module | None = None,
-                 episodes: EpisodeSpec | None = None) -> None:
+                 episodes: EpisodeSpec | None = None, tracker: Any = None) -> None:
         self.model, self.optimizer, self.reward_fn, self.rollouts = model, optimizer, reward_fn, rollouts
         self.config = config if config is not None else GRPOConfig()
         self.ref_model = ref_model
         if self.config.beta and ref_model is None:
             raise ValueError(f"beta={self.config.beta} needs a reference model. Fix: pass ref_model=... (e.g. a "
                              "frozen copy of the initial policy) or use beta=0.")
-        self._start_loop(prompts, episodes)
+        self._start_loop(prompts, episodes, tracker)
 
     def _update(self, batch: RolloutBatch, rewards: torch.Tensor, ref: torch.Tensor | None) -> dict[str, float]:
         cfg, device = self.config, self.device
@@ -165,7 +170,8 @@ class GRPOTrainer(RolloutLoop):
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": totals["loss"], "kl": totals["kl"] if ref is not None else float("nan"),
                 "clip_frac": totals["clip"], "grad_norm": totals["grad_norm"], "logprob_gap_max": gap_max,
-                "logprob_gap_mean": gap_sum / max(num_tokens, 1)}  # behaviour vs proximal (the trainer at step start)
+                "logprob_gap_mean": gap_sum / max(num_tokens, 1),  # behaviour vs proximal (the trainer at step start)
+                **offpolicy_split(old_lp, rollout_lp, mask, batch.token_versions, self.step_version)}
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float | None) -> float:

@@ -2,8 +2,11 @@
 
 A trainer subclasses `RolloutLoop` and implements `_update(batch, rewards, ref) -> dict of stats`; the loop owns
 the prompt stream, the rollout side's versioning (rollout versions continue from the worker's at construction),
-the timing and the metrics every step logs. With `config.async_rollouts` the rollouts come from a `Pipeline`
-(pipeline.py): submitted ahead, overlapping training, at most `max_staleness` versions old. With GRPO's
+the timing and the metrics every step logs: its own, the rollout side's (`rollout/...`), the share of zero-variance
+groups, and the trainer's `offpolicy/...` split (tracking.py); with a `tracker` (an `accelerate.Accelerator` built
+with `log_with=...`, or any object with `log(values, step=)`) each step's numbers go to it. With
+`config.async_rollouts` the rollouts come from a `Pipeline` (pipeline.py): submitted ahead, overlapping training, at
+most `max_staleness` versions old. With GRPO's
 `dynamic_sampling` / `partial_rollouts` they come from a `rollout.RolloutCollector` fed by the prompt lists of the
 steps one after another: each step takes as many accepted groups as a step's prompt list holds, rewarded by
 `reward_fn` as each group finishes.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -20,8 +24,9 @@ from rollout import EpisodeSpec, RolloutBatch, RolloutCollector, Rollouts, nonze
 
 from .config import RolloutTrainerConfig
 from .pipeline import Pipeline, staleness
+from .tracking import loggable, rollout_metrics, zero_variance_fraction
 from .rollouts import (PromptsExhausted, flat_prompts, prompt_stream, push_weights, reference_logprobs,
-                       rewards_tensor, shares_model, timed_generate, zero_variance_fraction)
+                       rewards_tensor, shares_model, timed_generate)
 
 
 class RolloutLoop:
@@ -31,12 +36,14 @@ class RolloutLoop:
     ref_model: torch.nn.Module | None
     config: RolloutTrainerConfig
 
-    def _start_loop(self, prompts, episodes: EpisodeSpec | None = None) -> None:
+    def _start_loop(self, prompts, episodes: EpisodeSpec | None = None, tracker: Any = None) -> None:
         self.episodes = episodes
+        self.tracker = tracker
         self._prompts = prompt_stream(prompts)
         self.num_steps = 0
         self.history: list[dict[str, float]] = []
         self.base_version = int(getattr(self.rollouts, "policy_version", 0))  # rollout versions continue from here
+        self.step_version = self.base_version  # the version the trainer holds during a step's update
         shared = shares_model(self.rollouts, self.model)
         for flag in ("async_rollouts", "partial_rollouts"):
             if getattr(self.config, flag, False) and shared:
@@ -118,6 +125,7 @@ class RolloutLoop:
         cfg = self.config
         ref = reference_logprobs(self.ref_model, batch, cfg.temperature) if self.ref_model is not None else None
         train_start = time.perf_counter()
+        self.step_version = version  # tokens of older versions are stale
         stats = self._update(batch, rewards, ref)
         train_s = time.perf_counter() - train_start
         self.num_steps += 1
@@ -137,8 +145,12 @@ class RolloutLoop:
             "zero_variance_frac": self._zero_variance(batch, rewards),
             **self._collector_metrics(batch),
             "step_s": time.perf_counter() - start,
+            "zero_variance_groups": zero_variance_fraction(rewards, batch.prompt_index),
+            **rollout_metrics(self.rollouts),
         }
         self.history.append(metrics)
+        if self.tracker is not None:
+            self.tracker.log(loggable(metrics), step=self.num_steps)
         return metrics
 
     def _zero_variance(self, batch: RolloutBatch, rewards: torch.Tensor) -> float:
@@ -148,7 +160,7 @@ class RolloutLoop:
         if self.collector is not None and getattr(self.config, "dynamic_sampling", False):
             judged = stats["accepted_groups"] + stats["rejected_groups"]
             return stats["rejected_groups"] / judged if judged else 0.0
-        return zero_variance_fraction(rewards, self.config.num_generations)
+        return zero_variance_fraction(rewards, batch.prompt_index)
 
     def _collector_metrics(self, batch: RolloutBatch) -> dict[str, float]:
         if self.collector is None:

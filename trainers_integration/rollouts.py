@@ -127,14 +127,6 @@ def flat_prompts(prompts: Callable[[int], Any]) -> tuple[int, Iterator[Any]]:
     return len(first), stream()
 
 
-def zero_variance_fraction(rewards: torch.Tensor, group_size: int) -> float:
-    """The fraction of groups (consecutive `group_size` rows) whose rewards are all equal; NaN for groups of one."""
-    if group_size < 2 or rewards.numel() == 0 or rewards.numel() % group_size:
-        return float("nan")
-    groups = rewards.view(-1, group_size)
-    return float((groups == groups[:, :1]).all(dim=1).float().mean())
-
-
 def prompt_stream(prompts: Callable[[int], Any] | Iterable[Any]) -> Callable[[int], Any]:
     """A prompt source as `step -> prompts`: a callable is used as is; an iterable yields one prompt list per step."""
     if callable(prompts):

@@ -29,7 +29,8 @@ class Sample:
     row: Row | None = None
     error: str | None = None
     episode: Episode | None = None
-    prompt_tokens: int = 0  # tokens its engine requests were prompted with (forked samples: on the head sample)
+    prompt_tokens: int = 0  # tokens its engine requests were prompted with (forked samples: on the head sample, unless
+    # split off as a request of their own: see scheduler.py)
     reused_tokens: int = 0  # of those, tokens served by the prefix cache instead of prefilled
 
     def context(self) -> list[int]:

@@ -22,6 +22,7 @@ import contextlib
 import gc
 import itertools
 import threading
+import time
 
 import torch
 from transformers import GenerationConfig
@@ -37,9 +38,11 @@ from . import memory  # noqa: F401  (patches upstream's memory plan for rollout_
 from .blocktable import RolloutCache  # also keeps upstream's decode fast path on for rollout_paged
 from . import switch
 from .call import Call, Sample
+from .counters import Counters, kv_pages
 from .ledger import Ledger
 from . import cuda, linear, sizing
 from .manager import RolloutManager
+from .preemption import RolloutOffloading
 from .router import RolloutRouter
 from .runner import RolloutIOs, RolloutModelRunner, RowSlotArgs
 from .sampler import RowSpec
@@ -83,6 +86,7 @@ class Engine:
         self._closed = False
         self.num_prompt_tokens = 0  # every engine request's prompt tokens, and those served by the prefix cache
         self.num_reused_tokens = 0
+        self.counters = Counters()  # the rest of what metrics() reports; kept across restarts and sleeps
         self._stepper = Stepper(config.env_threads)
         self._call_index = itertools.count()  # keys the random streams of a call's unseeded samples
         self._blocked = linear.blocked(model)  # wide linear layers in column blocks on the engine thread (linear.py)
@@ -113,6 +117,9 @@ class Engine:
         manager.batch_processor = manager._create_batch_processor()
         manager.batch_processor.scheduler.on_prefix_hit = self._on_prefix_hit
         RolloutCache.adopt(manager.batch_processor.cache)
+        manager.batch_processor.scheduler.on_split = self._on_split
+        manager.batch_processor.scheduler.on_schedule = self.counters.kv_step
+        RolloutOffloading.adopt(manager.batch_processor.offloading_manager, self.counters.preempted)
         RolloutModelRunner.adopt(manager.batch_processor.model_runner)
         RolloutIOs.adopt(manager.batch_processor.inputs_and_outputs, self._record)
         table.stream = manager.batch_processor.inputs_and_outputs.compute_stream
@@ -155,6 +162,7 @@ class Engine:
                 manager, self._manager = self._manager, None
             if manager is not None:
                 manager.stop(block=True, timeout=30)  # joins the thread, drops the batch processor
+                self.counters.slept()
                 del manager
                 release_memory()
         finally:
@@ -217,6 +225,7 @@ class Engine:
     def _record(self, request_ids: list[str], values: list[float]) -> None:
         # the version changes only inside a pause of the loop, so it is the one whose weights ran this step
         self._ledger.record(request_ids, values, self.version)
+        self.counters.sampled(len(request_ids))
 
     def _on_output(self, output: GenerationOutput) -> None:
         if output.error is None and output.status != RequestStatus.FINISHED and self._on_progress(output):
@@ -254,6 +263,7 @@ class Engine:
         _check_logprobs(tokens, output.logprobs, sampling, versions)
         finish = "stop" if tokens and tokens[-1] in sample.stop_ids else "length"
         versions = versions[: len(tokens)]
+        self.counters.row(finish, versions, self.version)
         return Row(sample.prompt_index, sample.sample_index, sample.prompt_ids, tokens, list(output.logprobs),
                    sampling[: len(tokens)], finish, min(versions), prompt_tokens=sample.prompt_tokens,
                    reused_tokens=sample.reused_tokens, token_versions=versions)
@@ -264,6 +274,13 @@ class Engine:
             sample = self._pending.get(request_id)
             if sample is not None:
                 sample.reused_tokens += num_tokens
+
+    def _on_split(self, request_id: str, num_tokens: int) -> None:
+        with self._cond:
+            self.num_prompt_tokens += num_tokens
+            sample = self._pending.get(request_id)
+            if sample is not None:
+                sample.prompt_tokens += num_tokens
 
     # ------------------------------------------------------------------ episodes
     def _step(self, sample: Sample, output: GenerationOutput, sampling: list[float], versions: list[int]) -> None:
@@ -276,14 +293,16 @@ class Engine:
         self._stepping.add(sample)
         epoch = episode.epoch
         self._stepper.step(episode, sample.prompt_index, sample.sample_index, episode.timeout,
-                           lambda turn, error: self._on_step(sample, epoch, turn, error))
+                           lambda turn, error, seconds: self._on_step(sample, epoch, turn, error, seconds))
 
-    def _on_step(self, sample: Sample, epoch: int, turn, error: BaseException | None) -> None:
-        """An environment step returned (stepper thread): submit the episode's next turn, or end it."""
+    def _on_step(self, sample: Sample, epoch: int, turn, error: BaseException | None, seconds: float) -> None:
+        """An environment step returned after `seconds` (stepper thread): submit the episode's next turn, or end
+        it."""
         with self._cond:
             episode = sample.episode
             if episode.epoch != epoch or sample not in self._stepping:  # reset or abandoned meanwhile
                 return
+            self.counters.env_step(seconds, error is not None)
             self._stepping.discard(sample)
             if sample.call.is_over():  # cancelled or failed meanwhile
                 self._stepper.close_env(episode.env)
@@ -297,6 +316,7 @@ class Engine:
     def _end_episode(self, sample: Sample) -> None:
         episode = sample.episode
         self._stepper.close_env(episode.env)
+        self.counters.episode(episode.finish_reason, episode.token_versions, self.version, episode.num_turns)
         sample.call.finish(sample, Row(
             sample.prompt_index, sample.sample_index, sample.prompt_ids, list(episode.tokens), list(episode.logprobs),
             list(episode.sampling_logprobs), episode.finish_reason, min(v for v in episode.token_versions if v >= 0),
@@ -439,6 +459,7 @@ class Engine:
         with self._cond:
             self._cond.wait_for(lambda: not self._updating)
             self._updating = True
+        fenced, recomputed = time.perf_counter(), 0
         aborted: list[Sample] = []
         try:
             if mode == "wait":
@@ -450,11 +471,17 @@ class Engine:
                     self._restart()
             # asleep: no loop to pause and no cached KV to forget (waking builds an empty cache)
             with self._manager.pause() if self._manager is not None else contextlib.nullcontext():
+                paused = time.perf_counter()
                 yield
                 if self._manager is not None and mode == "recompute":
-                    self.num_recomputed += switch.recompute_in_flight(self._manager)
+                    requests, recomputed = switch.recompute_in_flight(self._manager)
+                    self.num_recomputed += requests
                 if self._manager is not None and invalidate:
                     switch.forget_prefix_cache(self._manager)
+            if invalidate:  # a weight change (read-only uses, e.g. scoring, are not counted)
+                now = time.perf_counter()
+                with self._cond:
+                    self.counters.weight_update(mode, now - fenced, now - paused, recomputed)
         finally:
             with self._cond:
                 self._updating = False
@@ -495,6 +522,26 @@ class Engine:
                     sample.episode.reset()
             self.num_aborted += len(aborted)
             return aborted
+
+    def metrics(self) -> tuple[Counters, dict[str, int]]:
+        """A copy of the counters; the engine's own counts (prompt and reused tokens, restarts, aborts, recomputed
+        requests) and what it holds now: version, requests waiting (submitted, not yet scheduled) and running,
+        episodes in an environment step, KV pages (total, used, cached; all 0 while asleep)."""
+        with self._cond:
+            counters, manager = self.counters.copy(), self._manager
+            now = dict(prompt_tokens=self.num_prompt_tokens, prefix_cache_reused_tokens=self.num_reused_tokens,
+                       engine_restarts=self.num_restarts, aborted_samples=self.num_aborted,
+                       recomputed_requests=self.num_recomputed, policy_version=self.version,
+                       sleeping=int(self.is_sleeping), episodes_in_env_step=len(self._stepping), requests_waiting=0,
+                       requests_running=0, kv_pages_total=0, kv_pages_used=0, kv_pages_cached=0)
+        processor = getattr(manager, "batch_processor", None)
+        if processor is not None:  # read without stopping the loop: a page count may be a step old
+            scheduler = processor.scheduler
+            now["requests_waiting"] = manager.input_queue.qsize() + len(scheduler.waiting_requests)
+            now["requests_running"] = len(scheduler.active_requests)
+            total, used, cached = kv_pages(processor.cache)
+            now.update(kv_pages_total=total, kv_pages_used=min(max(used, 0), total), kv_pages_cached=cached)
+        return counters, now
 
     def forget_prefix_cache(self) -> None:
         """No request submitted from now on can match KV computed before (see switch.py)."""

@@ -2,13 +2,14 @@
 `ray.remote`; nothing here imports Ray).
 
 Calls speak token ids and plain data: `generate` streams the chunk's rows prompt by prompt as each group completes
-(prompt_ids left out: the caller has them). Weight updates arrive through a transport (transport.py): `receive` runs
-the transport's receiving half here and applies what it returns atomically; `connect` runs its per-actor setup (e.g.
-joining a torch.distributed group). A model, a peer's state dict and the updates a replacement replays travel in the shared
-form of `to_shared` (numpy views of state-dict tensors: Ray stores numpy arrays in shared memory and hands them to
-every actor on the node without a copy or unpickling; torch tensors it would pickle, copy and rebuild per reader).
-The read-only methods (`info`, `state`, `state_dict`) are meant to run in a separate concurrency group, so
-monitoring and restoring a peer never wait behind a generate.
+(prompt_ids left out: the caller has them), then the worker's metrics snapshot (so the fleet's totals keep what an
+actor counted even if it dies before the next `metrics()` call). Weight updates arrive through a transport
+(transport.py): `receive` runs the transport's receiving half here and applies what it returns atomically; `connect`
+runs its per-actor setup (e.g. joining a torch.distributed group). A model, a peer's state dict and the updates a
+replacement replays travel in the shared form of `to_shared` (numpy views of state-dict tensors: Ray stores numpy
+arrays in shared memory and hands them to every actor on the node without a copy or unpickling; torch tensors it
+would pickle, copy and rebuild per reader). The read-only methods (`info`, `state`, `state_dict`) are meant to run in
+a separate concurrency group, so monitoring and restoring a peer never wait behind a generate.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .. import adapters
 from ..config import WorkerConfig
 from ..env import EpisodeSpec
 from ..loading import checkpoint_dir, load_tokenizer, model_from_state_dict
+from ..metrics import WorkerMetrics
 from ..worker import RolloutWorker
 
 
@@ -89,9 +91,10 @@ class FleetActor:
     def generate(self, prompts: list[list[int]], sampling: list, spec: EpisodeSpec | None = None,
                  indices: list[int] | None = None, call_id: int = 0) -> Iterator[tuple[int, list]]:
         """Yields (prompt index local to the chunk, that prompt's rows) as each prompt's group completes, in
-        finishing order (a Ray streaming generator on the fleet's side). `indices` are the chunk's prompts' indices
-        in the fleet's call, which an episode's make_env is called with. Several calls run at once (the actor's
-        default group has room for them), each cancelled by its `call_id`."""
+        finishing order (a Ray streaming generator on the fleet's side), then (-1, the worker's metrics
+        snapshot). `indices` are the chunk's prompts' indices in the fleet's call, which an episode's make_env
+        is called with. Several calls run at once (the actor's default group has room for them), each cancelled
+        by its `call_id`."""
         with self._lock:
             self.busy += 1
         future = None
@@ -109,6 +112,7 @@ class FleetActor:
                 self.num_rows += len(rows)
                 yield int(group.prompt_index[0]), rows
             self.num_calls += 1
+            yield -1, self.worker.metrics()
         except CancelledError:  # the fleet cancelled its call (`cancel`): nobody waits for these rows
             return
         finally:
@@ -129,6 +133,10 @@ class FleetActor:
             with self._lock:
                 self.busy -= 1
                 self.num_calls += 1
+
+    def metrics(self) -> WorkerMetrics:
+        """The worker's snapshot (control group: runs beside a generate)."""
+        return self.worker.metrics()
 
     def sleep(self) -> bool:
         self.worker.sleep()

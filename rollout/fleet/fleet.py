@@ -45,10 +45,12 @@ from ..batch import RolloutBatch
 from ..config import WorkerConfig
 from .dispatch import Dispatcher
 from .future import FleetFuture, Groups
+from .meter import FleetMeter
 from ..config import check_in_flight
 from ..env import EnvFactory, EpisodeSpec
 from ..errors import check_int, invalid
 from ..loading import pad_token_id
+from ..metrics import FleetMetrics
 from ..prompts import prepare_call
 from .resources import FleetResources
 from .transport import Collective, ObjectStore, TransportFailed, WeightTransport
@@ -92,6 +94,7 @@ class RolloutFleet:
         self._calls = ThreadPoolExecutor(MAX_CALLS, thread_name_prefix="rollout-fleet")  # submitted calls
         self._call_ids = itertools.count()  # what an actor cancels a call's work by
         self._actors, self._starting, self._down, self._pg = [], {}, set(), None
+        self._meter, self._metrics_server = FleetMeter(), None
         self._transport: WeightTransport = ObjectStore()
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
@@ -153,15 +156,20 @@ class RolloutFleet:
             return actor.generate.remote([token_lists[j] for j in jobs], [params[j] for j in jobs], spec, jobs,
                                          call_id)
 
+        tokens_by_slot: dict[int, int] = {}  # what each actor was given (prompt and completion tokens)
+
         def rows_of(j: int, rows: list) -> list:
             return [dataclasses.replace(row, prompt_index=j, prompt_ids=list(token_lists[j]))
                     for row in sorted(rows, key=lambda r: r.sample_index)]
 
-        def on_group(j: int, rows: list) -> None:
+        def on_group(slot: int, j: int, rows: list) -> None:
+            tokens_by_slot[slot] = tokens_by_slot.get(slot, 0) + len(token_lists[j]) + sum(
+                len(r.completion_ids) for r in rows)
             groups.put(self._batch(rows_of(j, rows)))
 
         grouped = self._scatter(costs, submit, timeout, [p.n for p in params], "generate", ("prompts", "rows"), cancel,
                                 call_id, on_group)
+        self._meter.dispatched(tokens_by_slot, self.num_workers)
         return self._batch([row for j in range(len(token_lists)) for row in rows_of(j, grouped[j])])
 
     def _batch(self, rows: list) -> RolloutBatch:
@@ -201,6 +209,7 @@ class RolloutFleet:
         with self._lock:
             new_version = self.version + 1 if version is None else version
             self._await_starts()
+            start = time.perf_counter()
             pool = _Pool(self)
             try:
                 replay = self._transport.send(pool, items, new_version, full, mode)
@@ -219,6 +228,7 @@ class RolloutFleet:
             self._fingerprint = None
             self._num_updates += 1
             self._settle(verify=self._num_updates % self.verify_every == 0)
+            self._meter.weight_sync(time.perf_counter() - start, sum(t.numel() * t.element_size() for _, t in items))
             return new_version
 
     def sleep(self) -> None:
@@ -249,8 +259,41 @@ class RolloutFleet:
             self._settle()
             return self._fingerprint
 
+    def metrics(self, timeout: float = 10.0) -> FleetMetrics:
+        """The fleet's snapshot: `total` (as RolloutWorker.metrics, summed over actors; counters keep what replaced
+        actors had counted), `actors` (slot -> snapshot), and the fleet's own figures (replacements, dispatch
+        imbalance, weight-sync seconds and bytes). Each live actor answers beside its work (the control group); one
+        that does not answer within `timeout` seconds keeps its last snapshot."""
+        with self._lock:
+            refs = {slot: (self._actors[slot], self._actors[slot].metrics.options(concurrency_group="control").remote())
+                    for slot in sorted(self._ready())}
+        answered = ray.wait([ref for _, ref in refs.values()], num_returns=len(refs), timeout=timeout)[0] if refs \
+            else []
+        for slot, (actor, ref) in refs.items():  # never wait for actors with the fleet's lock held
+            if ref not in answered:
+                continue
+            with contextlib.suppress(ray.exceptions.RayError):  # died meanwhile: its last snapshot stays
+                snapshot = ray.get(ref)
+                with self._lock:
+                    if self._actors[slot] is actor:
+                        self._meter.actor_seen(slot, snapshot)
+        with self._lock:
+            return self._meter.snapshot(len(self._ready()), sum(self._restarts))
+
+    def serve_metrics(self, port: int, host: str = "127.0.0.1"):
+        """Serve `metrics()` for Prometheus on http://host:port/metrics until the fleet closes: the totals under the
+        worker's names, the fleet's own as `rollout_fleet_*`, each actor's as `rollout_actor_*{actor="<slot>"}`. As
+        RolloutWorker.serve_metrics: this machine only unless `host` says otherwise; one endpoint per fleet."""
+        from ..prometheus import serve
+
+        with self._lock:
+            self._metrics_server = serve(self._metrics_server, self.metrics, port, host, "fleet")
+            return self._metrics_server
+
     def close(self) -> None:
         """Stop every actor (engines first, briefly), the placement group, and Ray if this fleet started it."""
+        if getattr(self, "_metrics_server", None) is not None:
+            self._metrics_server.close()
         self._calls.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             ready = [self._actors[slot] for slot in sorted(self._ready())]  # a starting actor is just killed
@@ -278,11 +321,12 @@ class RolloutFleet:
     # ------------------------------------------------------------------ work across actors
     def _scatter(self, costs: list[int], submit: Callable, timeout: float | None, units: list[int], what: str,
                  names: tuple[str, str], cancel: threading.Event | None = None, call_id: int | None = None,
-                 on_result: Callable[[int, Any], None] | None = None) -> dict[int, Any]:
+                 on_result: Callable[[int, int, Any], None] | None = None) -> dict[int, Any]:
         """Run every job on some actor, by load; survive deaths; job index -> result. The fleet's lock is taken for
         each round of bookkeeping and released while waiting, so an update can land meanwhile. `submit` returns an
         object ref (the chunk's results at once) or a streaming generator (one (chunk index, result) per job as it
-        finishes, each passed to `on_result`; an actor that dies midway loses only the jobs it had not streamed)."""
+        finishes, each passed to `on_result(slot, job, result)`; an actor that dies midway loses only the jobs it had
+        not streamed; a last item (-1, metrics snapshot) updates the fleet's meter)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         plan = Dispatcher(costs, range(self.num_workers), self.chunks_per_worker)
         inflight: dict[Any, tuple[int, Any, Any]] = {}  # object ref -> (slot, chunk, the actor it went to)
@@ -321,7 +365,7 @@ class RolloutFleet:
         return results
 
     def _collect(self, ref, inflight: dict, plan: Dispatcher, results: dict, jobs_name: str,
-                 on_result: Callable[[int, Any], None] | None) -> None:
+                 on_result: Callable[[int, int, Any], None] | None) -> None:
         slot, chunk, actor = inflight[ref]
         streamed = isinstance(ref, ray.ObjectRefGenerator)
         try:
@@ -339,11 +383,16 @@ class RolloutFleet:
             if self._actors[slot] is actor:  # not already replaced (an update that landed meanwhile replaces the dead)
                 self._replace(slot)
             return
-        if streamed and got is not None:  # one job's result; the stream goes on
-            job = chunk.jobs[got[0]]
-            results[job] = got[1]
+        if streamed and got is not None:  # one job's result, or the actor's metrics after its chunk; the stream goes on
+            index, value = got
+            if index < 0:
+                if self._actors[slot] is actor:  # a replaced actor's last words are not the new one's
+                    self._meter.actor_seen(slot, value)
+                return
+            job = chunk.jobs[index]
+            results[job] = value
             if on_result is not None:
-                on_result(job, got[1])
+                on_result(slot, job, value)
             return
         inflight.pop(ref)
         if not streamed:
@@ -417,6 +466,7 @@ class RolloutFleet:
             with contextlib.suppress(Exception):
                 ray.kill(old, no_restart=True)
             self._restarts[slot] += 1
+            self._meter.actor_replaced(slot)
             self._transport.actor_replaced()
         updates = self._restore_updates(slot)
         config = dataclasses.replace(self.config, seed=self.config.seed + ACTOR_SEED_STRIDE * (
