@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     import rollout
     from rollout import RolloutWorker, WorkerConfig
     from rollout.testing import build_chat_tokenizer, build_tiny_model, load_tiny_model, teach
+    from trainers_integration.demo import reward_verdict
     from trainers_integration.grpo import GRPOConfig, GRPOTrainer
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -115,14 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step {step + 1:3d}  reward {metrics['reward_mean']:.3f}  turns {metrics['num_turns']:.2f}  "
                   f"tokens {metrics['rollout_tokens']:4d}  rollout {metrics['rollout_s']:.2f}s  "
                   f"train {metrics['train_s']:.2f}s  gap {metrics['logprob_gap_max']:.1e}", flush=True)
-    tail = rewards_per_step[-max(3, len(rewards_per_step) // 10):]
-    first, last = rewards_per_step[0], sum(tail) / len(tail)
     print(f"wall time: {time.perf_counter() - start:.1f}s")
-    print(f"reward: {first:.3f} -> {last:.3f} (a policy blind to the tool's result: <= 0.1)")
-    if last - first < args.min_gain:
-        print(f"FAILED: the reward rose by {last - first:.3f} < {args.min_gain}", file=sys.stderr)
-        return 1
-    return 0
+    return reward_verdict(rewards_per_step, args.min_gain, " (a policy blind to the tool's result: <= 0.1)")
 
 
 if __name__ == "__main__":

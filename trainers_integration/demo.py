@@ -231,8 +231,6 @@ def main(argv: list[str] | None = None) -> int:
     if tracker is not None:
         tracker.end_training()  # flushes the event files
         print(f"tensorboard: {run_dir} (view: tensorboard --logdir {args.tensorboard})")
-    tail = rewards[-max(3, len(rewards) // 10):]  # the last tenth of the run (at least 3 steps)
-    first, last = rewards[0], sum(tail) / len(tail)
     if args.plot:
         title = f"GRPO on {args.env} episodes" if args.env else "GRPO through a shared RolloutWorker"
         if args.dynamic:
@@ -241,9 +239,17 @@ def main(argv: list[str] | None = None) -> int:
                   zero_variance if args.dynamic else None)
         print(f"plot: {args.plot}")
     print(f"wall time: {time.perf_counter() - start:.1f}s")
-    print(f"reward: {first:.3f} -> {last:.3f}")
-    if last - first < args.min_gain:
-        print(f"FAILED: the reward rose by {last - first:.3f} < {args.min_gain}", file=sys.stderr)
+    return reward_verdict(rewards, args.min_gain)
+
+
+def reward_verdict(rewards: list[float], min_gain: float, note: str = "") -> int:
+    """Prints `reward: <first> -> <last>` (the first step; the mean of the last tenth of the run, at least 3 steps)
+    and returns the exit code: 1, with the shortfall on stderr, unless the reward rose by `min_gain`."""
+    tail = rewards[-max(3, len(rewards) // 10):]
+    first, last = rewards[0], sum(tail) / len(tail)
+    print(f"reward: {first:.3f} -> {last:.3f}{note}")
+    if last - first < min_gain:
+        print(f"FAILED: the reward rose by {last - first:.3f} < {min_gain}", file=sys.stderr)
         return 1
     return 0
 
