@@ -13,7 +13,9 @@ from conftest import reference_logprobs
 from rollout import (PromptsExhausted, RolloutCollector, RolloutWorker, SamplingParams, Turn, WorkerConfig,
                      nonzero_std)
 
-TOL = 1e-5
+# fp32 noise of 100-token rows against a plain forward: 4e-6 to 7e-6 here, 1.05e-5 seen on CI (batch composition
+# varies with timing). A token scored under a neighbouring version's weights is off by 1e-2 to 1 (measured).
+TOL = 3e-5
 STOPS = list(range(10, 15))  # the tiny model hits one of these after 1 to 100+ tokens: lengths spread widely
 LONG = SamplingParams(n=2, max_new_tokens=100, stop_token_ids=STOPS)
 
