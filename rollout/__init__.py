@@ -8,7 +8,7 @@ from .rollouts import Rollouts
 
 __version__ = "0.1.0"
 __all__ = ["Environment", "EpisodeSpec", "FleetResources", "RolloutBatch", "RolloutFleet", "RolloutWorker",
-           "Rollouts", "SamplingParams", "ToolEnvironment", "Turn", "WorkerConfig", "score"]
+           "Rollouts", "SamplingParams", "ToolEnvironment", "Turn", "WorkerConfig", "replay_routing", "score"]
 
 
 def __getattr__(name: str):  # heavy imports (transformers, Ray) only when used: `rollout --help` stays instant
@@ -28,6 +28,10 @@ def __getattr__(name: str):  # heavy imports (transformers, Ray) only when used:
         from .tools import ToolEnvironment
 
         return ToolEnvironment
+    if name == "replay_routing":
+        from .replay import replay_routing
+
+        return replay_routing
     if name == "score":
         from .scoring import score
 
