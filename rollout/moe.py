@@ -4,7 +4,7 @@ transformers' MoE models (Qwen2/3-MoE, OLMoE, Mixtral, gpt-oss, MiniMax, FlexOlm
 layer whose forward takes the layer's hidden states `(tokens, hidden)` and returns `(router_logits, scores, indices)`:
 logits `(tokens, num_experts)`, and for each token its `top_k` experts and their gate weights, which the layer's
 experts module uses as they are. The gate weights are the softmax of the logits at the chosen experts, renormalised
-over them or not (`normalize`). `find_routers` finds these modules and proves each router class follows that form on
+over them or not (`normalize`). `find_routers` finds these modules and proves each router follows that form on
 a probe input (the recorder and `replay_routing` rely on it); anything else is refused with an error naming the model
 class and the module, never recorded or replayed approximately.
 
@@ -62,12 +62,9 @@ def find_routers(model: torch.nn.Module) -> list[Router]:
         raise ValueError(f"record_routing=True is invalid for {type(model).__name__}: it has no mixture-of-experts "
                          "router (no module named *Router*, no gate beside an `experts` module). Fix: record routing "
                          "only for MoE models.")
-    checked: dict[type, bool | None] = {}
     routers = []
     for name, module in candidates:
-        if type(module) not in checked:
-            checked[type(module)] = _probe(module)
-        normalize = checked[type(module)]
+        normalize = _probe(module)  # every router (16 tokens each): an instance may differ from its class
         if normalize is None:
             raise ValueError(
                 f"record_routing=True is invalid for {type(model).__name__}: its router {name!r} "
@@ -102,7 +99,7 @@ def _probe(module: torch.nn.Module) -> bool | None:
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(PROBE_TOKENS, weight.shape[1], generator=gen).to(weight.device, weight.dtype)
     try:
-        out = module(hidden)
+        out = module.forward(hidden)  # no hooks: a recorder or a replay already on the model stays out of it
     except Exception:  # noqa: BLE001  (any failure means: not this form)
         return None
     if not isinstance(out, tuple) or len(out) != 3:

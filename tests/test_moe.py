@@ -3,8 +3,6 @@ own forward (prefix hits, forks, preemption, episodes), and routing replay in th
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -176,8 +174,10 @@ def test_recording_off_leaves_no_hooks_and_on_removes_them_at_close(moe_paths):
 
 
 def perturbed(model, scale: float = 0.3, seed: int = 1):
-    """A copy of the model whose routers' weights are nudged: its own routing differs from the recording."""
-    other = copy.deepcopy(model)
+    """A copy of the model whose routers' weights are nudged: its own routing differs from the recording. (Built
+    fresh, not deep-copied: the live worker's hooks on the shared model must not come along.)"""
+    other = type(model)(model.config)
+    other.load_state_dict(model.state_dict())
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for router in find_routers(other):
@@ -215,6 +215,7 @@ def test_replay_forces_the_recorded_experts_under_perturbed_router_weights(moe):
 
 def test_replay_on_the_rollout_model_reproduces_its_logprobs_and_leaves_it_untouched(moe):
     batch = moe.generate(prompts_of([6, 18]), SamplingParams(n=2, max_new_tokens=8, ignore_eos=True))
+    hooks = [len(r.module._forward_hooks) for r in find_routers(moe.model)]  # the live recorder's
     with torch.no_grad():
         _, before = trainer_forward(moe.model, batch)
         with replay_routing(moe.model, batch, rows=[1, 2]):
@@ -223,7 +224,7 @@ def test_replay_on_the_rollout_model_reproduces_its_logprobs_and_leaves_it_untou
     mask = batch.completion_mask
     assert (micro - batch.logprobs[1:3]).abs()[mask[1:3]].max() <= TOL
     assert torch.equal(before, after)
-    assert all(not r.module._forward_hooks for r in find_routers(moe.model))
+    assert [len(r.module._forward_hooks) for r in find_routers(moe.model)] == hooks
 
 
 def test_replay_under_a_ddp_style_wrapper_and_peft_names(moe):
@@ -303,15 +304,16 @@ def test_grpo_with_routing_replay_learns_on_the_tiny_moe(moe_paths):
     from trainers_integration.grpo import GRPOConfig, GRPOTrainer
 
     model, tok = load_tiny_model(moe_paths["qwen3_moe"])
-    target = tok.encode(" the")[0]
-
-    def reward(batch):
-        hits = (batch.completion_ids == target) & batch.completion_mask
-        return hits.sum(1).float() / batch.completion_lengths.float()
-
     prompts = [tok.encode(p) for p in ("one plus two", "how many apples", "red blue green", "the cat is")]
     config = GRPOConfig(num_generations=6, max_new_tokens=8, routing_replay=True, micro_batch_size=8)
-    with RolloutWorker(model, WorkerConfig(page_size=16, record_routing=True), tokenizer=tok) as worker:
+    worker = RolloutWorker(model, WorkerConfig(page_size=16, record_routing=True), tokenizer=tok)
+    low = 128  # reward: the share of completion tokens with an id below 128 (a quarter of the vocabulary)
+
+    def reward(batch):
+        hits = (batch.completion_ids < low) & batch.completion_mask
+        return hits.sum(1).float() / batch.completion_lengths.float()
+
+    with worker:
         trainer = GRPOTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), reward, lambda step: prompts,
                               worker, config)
         history = trainer.train(10)
