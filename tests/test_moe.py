@@ -348,3 +348,18 @@ def test_fleet_round_trip_carries_routing(moe_paths):
     assert batch.routing is not None and len(batch.routing) == 4 and batch.routing.bytes_per_token == 4
     assert_exact(local, batch)
     assert agreement(batch, local) >= 0.999
+
+
+def test_replay_on_a_peft_model_forces_the_recorded_experts(moe):
+    pytest.importorskip("peft")
+    from trainers_integration.lora import add_lora
+
+    batch = moe.generate(prompts_of([11]), SamplingParams(n=2, max_new_tokens=6, ignore_eos=True))
+    peft_model = add_lora(perturbed(moe.model), rank=4, target_modules=("q_proj", "v_proj"), seed=0)
+    assert find_routers(peft_model)[0].name == batch.routing.layers[0]  # PEFT's base_model.model. prefix removed
+    with torch.no_grad(), replay_routing(peft_model, batch), capture_routing(peft_model) as seen:
+        trainer_forward(peft_model, batch)
+    width = seen[0].shape[0] // len(batch)
+    for r, row in enumerate(batch.routing.rows):
+        got = seen[0].view(len(batch), width, *row.shape[1:])[r, : row.shape[0]]
+        assert torch.equal(got.sort(-1).values, row.long().sort(-1).values)
