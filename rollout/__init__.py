@@ -9,7 +9,7 @@ from .rollouts import Rollouts
 __version__ = "0.1.0"
 __all__ = ["Environment", "EpisodeSpec", "FleetResources", "PromptsExhausted", "RolloutBatch", "RolloutCollector",
            "RolloutFleet", "RolloutWorker", "Rollouts", "SamplingParams", "ToolEnvironment", "Turn", "WorkerConfig",
-           "nonzero_std", "score", "serve"]
+           "nonzero_std", "replay_routing", "score", "serve"]
 
 
 def __getattr__(name: str):  # heavy imports (transformers, Ray) only when used: `rollout --help` stays instant
@@ -37,6 +37,10 @@ def __getattr__(name: str):  # heavy imports (transformers, Ray) only when used:
         from .server import serve
 
         return serve
+    if name == "replay_routing":
+        from .replay import replay_routing
+
+        return replay_routing
     if name == "score":
         from .scoring import score
 

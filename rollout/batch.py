@@ -12,6 +12,8 @@ from typing import Any, Sequence
 
 import torch
 
+from .moe import Routing
+
 
 @dataclass(frozen=True)
 class Row:
@@ -32,6 +34,7 @@ class Row:
     token_versions: list[int] | None = None  # per completion token (-1 on observations); None: all policy_version
     prompt_tokens: int = 0  # tokens the row's engine requests were prompted with (n samples: on sample 0's row)
     reused_tokens: int = 0  # of those, served by the prefix cache
+    routing: Routing | None = None  # the row's experts (one row), when the worker records routing
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,9 @@ class RolloutBatch:
     rewards: (R,) float32, the sum of each episode's turn rewards (0 without an environment).
     num_turns: (R,) int64, model turns of each row (1 without an environment).
     errors: R strings, why an episode ended with "error" ("" otherwise).
+    routing: None, or (with WorkerConfig(record_routing=True) on a mixture of experts) the experts the engine's own
+        forward chose at every position of each row, prompt and completion (`rollout.moe.Routing`: per row a
+        (positions, layers, top_k) uint8 tensor and the routers' names), for `rollout.replay_routing`.
     stats: counts of the call: `prompt_tokens` (what its engine requests were prompted with, every turn of an
         episode counted), `reused_tokens` (of those, served by the prefix cache), `prefill_tokens` (the rest).
     """
@@ -76,6 +82,7 @@ class RolloutBatch:
     rewards: torch.Tensor
     num_turns: torch.Tensor
     errors: list[str]
+    routing: Routing | None = field(default=None, compare=False)
     stats: dict[str, int] = field(default_factory=dict, compare=False)
     tokenizer: Any = field(default=None, repr=False, compare=False)
 
@@ -114,6 +121,7 @@ class RolloutBatch:
             rewards=torch.tensor([r.reward for r in rows], dtype=torch.float32),
             num_turns=torch.tensor([r.num_turns for r in rows], dtype=torch.long),
             errors=[r.error for r in rows],
+            routing=_routing(rows),
             stats=_stats(rows),
             tokenizer=tokenizer,
         )
@@ -139,7 +147,8 @@ class RolloutBatch:
                 finish_reason=self.finish_reason[i], policy_version=int(self.policy_version[i]),
                 action_mask=self.action_mask[i, :length].tolist(), reward=float(self.rewards[i]),
                 token_versions=self.token_versions[i, :length].tolist(),
-                num_turns=int(self.num_turns[i]), error=self.errors[i], **self._row_stats(i)))
+                num_turns=int(self.num_turns[i]), error=self.errors[i],
+                routing=None if self.routing is None else self.routing.select([i]), **self._row_stats(i)))
         return out
 
     def _row_stats(self, i: int) -> dict[str, int]:
@@ -166,6 +175,17 @@ class RolloutBatch:
             raise ValueError("tokenizer=None is invalid: decoding needs a tokenizer. Fix: pass tokenizer=... here or "
                              "to RolloutWorker.")
         return tok
+
+
+def _routing(rows: Sequence[Row]) -> Routing | None:
+    """Every row's routing, or None when no row has any. ValueError if only some rows have it."""
+    have = [r.routing is not None for r in rows]
+    if not any(have):
+        return None
+    if not all(have):
+        raise ValueError(f"{have.count(False)} of {len(rows)} rows have no routing: rows recorded with and without "
+                         "record_routing cannot be batched together. Fix: record routing on every worker.")
+    return Routing.concat([r.routing for r in rows])
 
 
 def _stats(rows: Sequence[Row]) -> dict[str, int]:

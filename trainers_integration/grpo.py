@@ -38,7 +38,7 @@ from rollout.errors import invalid
 
 from . import losses
 from .config import RolloutTrainerConfig
-from .forward import completion_logprobs, pack
+from .forward import completion_logprobs, pack, replayed
 from .loop import RolloutLoop
 from .rollouts import logprob_gap, pad_token_id
 from .tracking import offpolicy_split
@@ -144,7 +144,8 @@ class GRPOTrainer(RolloutLoop):
             for rows in chunks:
                 packed = pack(batch.prompt_ids[rows], batch.completion_ids[rows], batch.completion_mask[rows], pad,
                               device)
-                logp, _ = completion_logprobs(self.model, packed, cfg.temperature)
+                with replayed(self.model, batch, rows, cfg.routing_replay):
+                    logp, _ = completion_logprobs(self.model, packed, cfg.temperature)
                 m = mask[rows]
                 if epoch == 0:
                     g_max, g_mean = logprob_gap(logp, rollout_lp[rows], m)

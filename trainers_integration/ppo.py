@@ -30,7 +30,7 @@ from rollout import EpisodeSpec, RolloutBatch, Rollouts
 
 from . import losses
 from .config import RolloutTrainerConfig
-from .forward import Packed, completion_logprobs, pack
+from .forward import Packed, completion_logprobs, pack, replayed
 from .loop import RolloutLoop
 from .grpo import RewardFn, clip_grad_norm
 from .rollouts import logprob_gap, pad_token_id
@@ -112,7 +112,11 @@ class PPOTrainer(RolloutLoop):
         self.model.eval()
         self.value_model.eval()
         with torch.no_grad():
-            old_values = torch.cat([self._old_values(p) for _, p in packs])
+            old_values = []
+            for rows, packed in packs:
+                with replayed(self.model, batch, rows, cfg.routing_replay):
+                    old_values.append(self._old_values(packed))
+            old_values = torch.cat(old_values)
         rewards = losses.kl_shaped_rewards(scores.to(device), rollout_lp, ref, mask, cfg.kl_coef)
         advantages, returns = losses.gae(rewards, old_values, mask, cfg.gamma, cfg.lam)
         if cfg.whiten_advantages:
@@ -125,7 +129,8 @@ class PPOTrainer(RolloutLoop):
         for epoch in range(cfg.num_epochs):
             self.optimizer.zero_grad(set_to_none=True)
             for rows, packed in packs:
-                logp, values = self._forward(packed)
+                with replayed(self.model, batch, rows, cfg.routing_replay):
+                    logp, values = self._forward(packed)
                 m = mask[rows]
                 if epoch == 0:
                     g_max, g_mean = logprob_gap(logp, rollout_lp[rows], m)

@@ -1,7 +1,7 @@
 """The engine layer: transformers' continuous-batching engine, made exact and unkillable.
 
 Owns everything that touches `transformers.generation.continuous_batching` or transformers' private attributes
-(tests/test_layout.py checks it). May import: torch, transformers, and rollout's leaf modules (`params`, `config`,
+(tests/test_layout.py checks it). May import: torch, transformers, and rollout's leaf modules (`params`, `config`, `moe`,
 `batch`, `errors`, `env`). Knows nothing about tokenizers, Ray or trainers.
 
 One request, hop by hop, from `RolloutWorker.generate` to its row:

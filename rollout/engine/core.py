@@ -33,6 +33,7 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 
 from ..batch import Row
 from ..config import WorkerConfig, check_in_flight
+from ..moe import Routing, find_routers
 from ..params import SamplingParams
 from . import memory  # noqa: F401  (patches upstream's memory plan for rollout_paged)
 from .blocktable import RolloutCache  # also keeps upstream's decode fast path on for rollout_paged
@@ -43,6 +44,7 @@ from .ledger import Ledger
 from . import cuda, linear, sizing
 from .manager import RolloutManager
 from .preemption import RolloutOffloading
+from .recorder import RoutingHole, RoutingRecorder
 from .router import RolloutRouter
 from .runner import RolloutIOs, RolloutModelRunner, RowSlotArgs
 from .sampler import RowSpec
@@ -89,6 +91,9 @@ class Engine:
         self.counters = Counters()  # the rest of what metrics() reports; kept across restarts and sleeps
         self._stepper = Stepper(config.env_threads)
         self._call_index = itertools.count()  # keys the random streams of a call's unseeded samples
+        # the MoE routers whose choices are recorded (WorkerConfig.record_routing; an unknown router fails here)
+        self._routers = find_routers(model) if self.config.record_routing else None
+        self._recorder: RoutingRecorder | None = None
         self._blocked = linear.blocked(model)  # wide linear layers in column blocks on the engine thread (linear.py)
         try:
             self._manager = self._build_manager()
@@ -102,7 +107,7 @@ class Engine:
     def _build_manager(self) -> ContinuousBatchingManager:
         gen_config = GenerationConfig(do_sample=False, max_new_tokens=None, eos_token_id=None)
         blocks = sizing.num_blocks(self.config, self.model)
-        graphs = cuda.captures(self.model, self.config)
+        graphs = cuda.captures(self.model, self.config) and self._routers is None  # a replayed graph runs no hooks
         cb_config = ContinuousBatchingConfig(
             page_size=self.config.page_size, num_blocks=blocks,
             max_batch_tokens=self.config.max_batch_tokens, max_requests_per_batch=self.config.max_requests_per_batch,
@@ -125,10 +130,26 @@ class Engine:
         table.stream = manager.batch_processor.inputs_and_outputs.compute_stream
         self.max_request_tokens = infer_max_single_request_tokens(manager.batch_processor.cache)
         self.model.train(was_training)
+        self._record_routing(manager)
         sizing.check_request_fits(self.config, self.model, manager.batch_processor.cache.num_blocks,
                                   self.max_request_tokens)  # before the thread starts: nothing to stop
         self._start(manager)
         return manager
+
+    def _record_routing(self, manager: ContinuousBatchingManager) -> None:
+        """A fresh recorder for this manager (the previous one's hooks removed), when recording routing."""
+        self._stop_recording()
+        if self._routers is not None:
+            processor = manager.batch_processor
+            # the prefix index keeps the routing of up to twice the cache's tokens (a few bytes per token)
+            self._recorder = RoutingRecorder(self.model, self._routers, self.config.page_size,
+                                             2 * processor.cache.num_blocks * self.config.page_size)
+            self._recorder.attach(processor.cache, processor.inputs_and_outputs)
+
+    def _stop_recording(self) -> None:
+        if self._recorder is not None:
+            self._recorder.remove()
+            self._recorder = None
 
     @staticmethod
     def _start(manager: ContinuousBatchingManager) -> None:
@@ -164,6 +185,7 @@ class Engine:
                 manager.stop(block=True, timeout=30)  # joins the thread, drops the batch processor
                 self.counters.slept()
                 del manager
+                self._stop_recording()
                 release_memory()
         finally:
             with self._cond:
@@ -189,6 +211,7 @@ class Engine:
         manager, self._manager = self._manager, None
         if manager is not None and manager._generation_thread is not None:
             manager.stop(block=True, timeout=30)
+        self._stop_recording()
         linear.restore(self._blocked)
 
     def _restart(self) -> None:
@@ -234,14 +257,17 @@ class Engine:
             sample = self._pending.pop(output.request_id, None)
             sampling, versions = self._ledger.pop(output.request_id)
             if sample is None:  # cancelled by an abort fence, or already re-run
+                if self._recorder is not None:
+                    self._recorder.drop(output.request_id)
                 return
-            if output.status == RequestStatus.FINISHED and output.error is None:
+            routing, error = self._take_routing(sample, output)
+            if output.status == RequestStatus.FINISHED and output.error is None and error is None:
                 if sample.episode is None:
-                    sample.call.finish(sample, self._make_row(sample, output, sampling, versions))
+                    sample.call.finish(sample, self._make_row(sample, output, sampling, versions, routing))
                 else:
-                    self._step(sample, output, sampling, versions)
+                    self._step(sample, output, sampling, versions, routing)
             else:
-                sample.error = output.error or f"request ended with status {output.status!r}"
+                sample.error = output.error or error or f"request ended with status {output.status!r}"
                 self._rerun.append(sample)
             self._cond.notify_all()
 
@@ -258,7 +284,24 @@ class Engine:
         sample.call.on_tokens(sample, tokens[:count], logprobs[:count], versions[:count])
         return True
 
-    def _make_row(self, sample: Sample, output: GenerationOutput, sampling: list[float], versions: list[int]) -> Row:
+    def _take_routing(self, sample: Sample, output: GenerationOutput) -> tuple[Routing | None, str | None]:
+        """The request's recorded routing for every position it fed (prompt and completion but the last token), or
+        why it has a hole (the request then re-runs)."""
+        if self._recorder is None:
+            return None, None
+        if output.status != RequestStatus.FINISHED or output.error is not None:
+            self._recorder.drop(output.request_id)
+            return None, None
+        num_positions = len(sample.context()) + len(output.generated_tokens) - 1
+        try:
+            experts = self._recorder.take(output.request_id, num_positions)
+        except RoutingHole as hole:
+            return None, str(hole)
+        first = self._routers[0]
+        return Routing(tuple(r.name for r in self._routers), first.num_experts, first.top_k, (experts,)), None
+
+    def _make_row(self, sample: Sample, output: GenerationOutput, sampling: list[float], versions: list[int],
+                  routing: Routing | None = None) -> Row:
         tokens = list(output.generated_tokens)
         _check_logprobs(tokens, output.logprobs, sampling, versions)
         finish = "stop" if tokens and tokens[-1] in sample.stop_ids else "length"
@@ -266,7 +309,7 @@ class Engine:
         self.counters.row(finish, versions, self.version)
         return Row(sample.prompt_index, sample.sample_index, sample.prompt_ids, tokens, list(output.logprobs),
                    sampling[: len(tokens)], finish, min(versions), prompt_tokens=sample.prompt_tokens,
-                   reused_tokens=sample.reused_tokens, token_versions=versions)
+                   reused_tokens=sample.reused_tokens, token_versions=versions, routing=routing)
 
     def _on_prefix_hit(self, request_id: str, num_tokens: int) -> None:
         with self._cond:
@@ -283,13 +326,15 @@ class Engine:
                 sample.prompt_tokens += num_tokens
 
     # ------------------------------------------------------------------ episodes
-    def _step(self, sample: Sample, output: GenerationOutput, sampling: list[float], versions: list[int]) -> None:
+    def _step(self, sample: Sample, output: GenerationOutput, sampling: list[float], versions: list[int],
+              routing: Routing | None = None) -> None:
         """A model turn of an episode finished (engine thread, lock held): record it and start its environment
         step off this thread."""
         tokens = list(output.generated_tokens)
         _check_logprobs(tokens, output.logprobs, sampling, versions)
         episode = sample.episode
         episode.add_turn(tokens, list(output.logprobs), sampling[: len(tokens)], versions[: len(tokens)])
+        episode.routing = routing  # the last turn's request fed every position of the episode so far
         self._stepping.add(sample)
         epoch = episode.epoch
         self._stepper.step(episode, sample.prompt_index, sample.sample_index, episode.timeout,
@@ -322,7 +367,7 @@ class Engine:
             list(episode.sampling_logprobs), episode.finish_reason, min(v for v in episode.token_versions if v >= 0),
             action_mask=list(episode.action_mask), reward=episode.reward, num_turns=episode.num_turns,
             error=episode.error, prompt_tokens=sample.prompt_tokens, reused_tokens=sample.reused_tokens,
-            token_versions=list(episode.token_versions)))
+            token_versions=list(episode.token_versions), routing=episode.routing))
 
     # ------------------------------------------------------------------ submission and waiting
     def submit(self, samples_by_prompt: list[list[Sample]], call: Call) -> None:
@@ -425,6 +470,8 @@ class Engine:
         for request_id in cancelled:
             self._pending.pop(request_id)
             self._manager.cancel_request(request_id)
+            if self._recorder is not None:
+                self._recorder.drop(request_id)
         self._ledger.drop(cancelled)
 
     def _requests_of(self, call: Call) -> list[str]:
@@ -478,6 +525,8 @@ class Engine:
                     self.num_recomputed += requests
                 if self._manager is not None and invalidate:
                     switch.forget_prefix_cache(self._manager)
+                    if self._recorder is not None:
+                        self._recorder.forget()
             if invalidate:  # a weight change (read-only uses, e.g. scoring, are not counted)
                 now = time.perf_counter()
                 with self._cond:
@@ -546,6 +595,8 @@ class Engine:
     def forget_prefix_cache(self) -> None:
         """No request submitted from now on can match KV computed before (see switch.py)."""
         switch.forget_prefix_cache(self._manager)
+        if self._recorder is not None:
+            self._recorder.forget()
 
 
 def _check_logprobs(tokens: list[int], logprobs: list[float], sampling: list[float], versions: list[int]) -> None:

@@ -36,6 +36,7 @@ class Episode:
     error: str = ""
     epoch: int = 0  # bumped by `reset`: a step that returns for an older epoch is dropped
     last_turn: list[int] = field(default_factory=list)
+    routing: Any = None  # the last model turn's recorded routing (rollout.moe.Routing), when recording
 
     def turn_budget(self, max_new_tokens: int) -> int:
         """New tokens the next model turn may generate: its own budget, within what is left of the episode's."""

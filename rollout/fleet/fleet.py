@@ -184,6 +184,10 @@ class RolloutFleet:
         if len(prompts) != len(completions):
             raise invalid("completions", f"{len(completions)} items", f"must be one per prompt ({len(prompts)})",
                           "pass as many completions as prompts")
+        if kwargs.get("return_routing"):
+            raise invalid("return_routing", True, "is not supported by the fleet's score yet",
+                          "score with rollout.score on a local copy of the model, or route rollouts through "
+                          "generate (its rows carry routing)")
         temps = list(temperature) if isinstance(temperature, Sequence) else None
 
         def submit(actor, jobs: list[int]):

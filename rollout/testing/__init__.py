@@ -7,7 +7,7 @@ transformers' public model classes; nothing else of rollout.
 
 from .chat import build_chat_tokenizer
 from .teach import teach
-from .tiny import SIZES, build_config, build_tiny_model, build_tokenizer, load_tiny_model
+from .tiny import ARCHS, MOE_ARCHS, SIZES, build_config, build_tiny_model, build_tokenizer, load_tiny_model
 
-__all__ = ["SIZES", "build_chat_tokenizer", "build_config", "build_tiny_model", "build_tokenizer", "load_tiny_model",
-           "teach"]
+__all__ = ["ARCHS", "MOE_ARCHS", "SIZES", "build_chat_tokenizer", "build_config", "build_tiny_model", "build_tokenizer",
+           "load_tiny_model", "teach"]
