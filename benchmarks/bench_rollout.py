@@ -3,6 +3,7 @@
     python benchmarks/bench_rollout.py            # 25M Llama, 8 prompts x 8 samples, 3 timed rounds (~3-4 min, 2 cores)
     python benchmarks/bench_rollout.py --workers auto,sdpa   # adds the engine on transformers' sdpa path
     python benchmarks/bench_rollout.py --quick    # 4 x 4, 1 round: a smoke run
+    python benchmarks/bench_rollout.py --metrics-ab --skip generate_batch,generate --rounds 8   # what metrics cost
     benchmarks/gpu.sh                             # the GPU version (0.5B Qwen2 in bf16), which calls this file
 
 One step: P prompts of lengths drawn uniformly in [prompt-min, prompt-max], N samples each at temperature 1.0.
@@ -23,6 +24,13 @@ time for the step.
 - ceiling: the same model's plain decode step with a contiguous cache (DynamicCache) at P x N rows and the step's
   mean context length, forward only (no sampling, no scheduling). "ceiling@profile" charges that decode step at the
   number of rows still live at each step of the ragged workload instead (an engine cannot keep finished rows busy).
+
+`--metrics-ab` adds "worker[metrics stubbed]": the same worker built with the engine's counters stubbed out
+(`NullCounters`: every count a no-op), interleaved with the worker as another method, and prints what the counting
+itself took: the CPU seconds spent inside the counters' methods over one more run of every step, per step and as a
+share of the steps' CPU time (an upper bound: the timer's own cost is included), and what one `worker.metrics()`
+snapshot costs (taken on demand, never on the engine's path). The A/B ratio is given in wall-clock tokens/s and in
+tokens per CPU-second (the load-robust one on a shared machine).
 
 Methods are interleaved round by round, so load from elsewhere hits them alike; the table shows medians. Extra
 memory: peak RSS (CPU) or peak allocated (GPU) during the method minus before it; the worker's is its start-up.
@@ -280,6 +288,8 @@ def parse_args(parser: argparse.ArgumentParser | None = None):
     parser.add_argument("--skip", default="", help="comma-separated methods to skip: generate_batch,generate")
     parser.add_argument("--quick", action="store_true", help="4 prompts x 4 samples, completions 16-48, 1 round")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--metrics-ab", action="store_true", help="add the worker with its counters stubbed, and "
+                        "the time counting takes")
     parser.add_argument("--bandwidth-tbs", type=float, default=None,
                         help="device memory bandwidth in TB/s (H200: 4.8): adds the decode bound rows")
     args = parser.parse_args()
@@ -310,11 +320,14 @@ def main() -> None:
     gb_startup: list[float] = []
     base_rss = rss_mb()
 
+    cpu: dict[str, list[float]] = {}
+
     def timed(name: str, fn) -> None:
         with peak_memory(mem, name, device):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             count = fn()
             times.setdefault(name, []).append(time.perf_counter() - start)
+            cpu.setdefault(name, []).append(time.process_time() - cpu_start)  # every thread's CPU seconds
         tokens.setdefault(name, []).append(count)
         print(f"# round {len(times[name])} {name}: {count} tokens in {times[name][-1]:.2f} s", file=sys.stderr,
               flush=True)
@@ -324,8 +337,7 @@ def main() -> None:
     try:
         for i, attn in enumerate(args.workers.split(",")):
             start = time.perf_counter()
-            config = WorkerConfig(page_size=args.page_size, max_batch_tokens=args.max_batch_tokens,
-                                  num_blocks=args.num_blocks, attn_implementation=None if attn == "model" else attn)
+            config = config_of(args, attn)
             with peak_memory(mem, "pending", device):
                 worker = RolloutWorker(model, config)
             name = "worker" if i == 0 else f"worker[{worker._engine_attn}]"
@@ -333,6 +345,14 @@ def main() -> None:
             startup[name] = time.perf_counter() - start
             workers[name] = worker
             last[name] = []
+        if args.metrics_ab:  # the first worker's engine, counting nothing
+            from unittest import mock
+
+            from rollout.engine.counters import NullCounters
+
+            with mock.patch("rollout.engine.core.Counters", NullCounters):
+                workers["worker[metrics stubbed]"] = RolloutWorker(model, config_of(args, args.workers.split(",")[0]))
+            mem["worker[metrics stubbed]"], last["worker[metrics stubbed]"] = 0.0, []
         rows = args.prompts * args.n
         mean_context = round(statistics.mean(len(p) for prompts, _ in steps[1:] for p in prompts)
                              + statistics.mean(b for _, budgets in steps[1:] for b in budgets) / 2)
@@ -342,8 +362,9 @@ def main() -> None:
         for w in workers.values():  # the warmup step, not timed
             run_worker(w, *steps[0], args.n)
         warmup_s = time.perf_counter() - t_warm
-        for prompts, budgets in steps[1:]:
-            for name, w in workers.items():
+        for r, (prompts, budgets) in enumerate(steps[1:]):
+            order = list(workers.items())
+            for name, w in order[::-1] if args.metrics_ab and r % 2 else order:  # A/B: each goes first in turn
                 timed(name, lambda: run_worker(w, prompts, budgets, args.n, last[name]))
             if "generate_batch" not in skip:
                 timed("generate_batch", lambda: run_generate_batch(model, prompts, budgets, args.n, args, gb_startup))
@@ -351,6 +372,7 @@ def main() -> None:
                 timed("generate", lambda: run_generate(model, prompts, budgets, args.n, pad_id))
             ceiling.measure(steps=4 if args.quick else 8)
         engine_attn = {name: w._engine_attn for name, w in workers.items()}
+        counting = measure_counting(model, args, steps[1:]) if args.metrics_ab else None
     finally:
         for w in workers.values():
             w.close()
@@ -400,12 +422,71 @@ def main() -> None:
         gap = f"{r['logprob_gap']:.1e}" if r.get("logprob_gap") is not None else ""
         print(f"{name:<24}{r['useful_tokens_per_s']:>13.1f}{step:>9}{count:>8}{extra:>20}{gap:>13}{ratio:>13}")
     print("# targets: " + ", ".join(f"{k} {'MET' if v else 'missed'}" for k, v in targets.items()))
+    if counting is not None:
+        on, off = results["worker"]["useful_tokens_per_s"], results["worker[metrics stubbed]"]["useful_tokens_per_s"]
+        cpu_per_token = {name: statistics.median(c / t for c, t in zip(cpu[name], tokens[name]))
+                         for name in ("worker", "worker[metrics stubbed]")}
+        cpu_ratio = cpu_per_token["worker[metrics stubbed]"] / cpu_per_token["worker"]
+        print(f"# metrics: worker / worker[metrics stubbed] = {on / off:.3f} in wall-clock tokens/s, {cpu_ratio:.3f} "
+              f"in tokens per CPU-second (medians of {args.rounds} interleaved rounds); counting took "
+              f"{counting['counting_us_per_step']:.1f} us of CPU per engine step, "
+              f"{100 * counting['counting_share']:.3f}% of the steps' CPU time ({counting['steps']} steps, "
+              f"{counting['calls']} counter calls); one "
+              f"worker.metrics() snapshot {counting['snapshot_us']:.0f} us")
+        results["metrics"] = {"on_over_stubbed": on / off, "on_over_stubbed_cpu": cpu_ratio, **counting}
     print(f"# peak RSS of the process: {_max_rss_mb():.0f} MiB")
     print(json.dumps({"benchmark": "rollout", "model": label, "params_m": round(params_m, 1), "dtype": args.dtype,
                       "device": device.type, "prompts": args.prompts, "n": args.n, "rounds": args.rounds,
                       "worker_startup_s": round(startup["worker"], 3), "generate_batch_startup_s": gb,
                       "results": results, "ratios": {k: round(v, 3) for k, v in ratios.items()},
                       "targets": targets, "peak_rss_mb": round(_max_rss_mb())}))
+
+
+def config_of(args, attn: str) -> WorkerConfig:
+    return WorkerConfig(page_size=args.page_size, max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks,
+                        attn_implementation=None if attn == "model" else attn)
+
+
+def measure_counting(model, args, steps) -> dict:
+    """Every step run once more on a worker whose counters time themselves: CPU seconds inside them (the calling
+    thread's: a process stopped or descheduled meanwhile is not charged) over the process's CPU seconds (every
+    thread's). The clock's own cost is charged to the counters: an upper bound."""
+    from unittest import mock
+
+    from rollout.engine.counters import Counters
+
+    spent = {"s": 0.0, "calls": 0, "steps": 0}
+
+    class Timed(Counters):
+        pass
+
+    for name in ("sampled", "kv_step", "preempted", "row", "episode", "env_step", "weight_update"):
+        def timed(self, *a, _f=getattr(Counters, name), _step=name == "kv_step"):
+            start = time.thread_time()
+            _f(self, *a)
+            spent["s"] += time.thread_time() - start
+            spent["calls"] += 1
+            spent["steps"] += _step
+
+        setattr(Timed, name, timed)
+    with mock.patch("rollout.engine.core.Counters", Timed):
+        worker = RolloutWorker(model, config_of(args, args.workers.split(",")[0]))
+    try:
+        run_worker(worker, *steps[0], args.n)  # warm
+        spent.update(s=0.0, calls=0, steps=0)
+        start = time.process_time()
+        for prompts, budgets in steps:
+            run_worker(worker, prompts, budgets, args.n)
+        cpu_s = time.process_time() - start
+        snap = time.perf_counter()
+        for _ in range(100):
+            worker.metrics()
+        snapshot_us = (time.perf_counter() - snap) / 100 * 1e6
+    finally:
+        worker.close()
+    return {"counting_s": spent["s"], "cpu_s": cpu_s, "counting_share": spent["s"] / cpu_s, "calls": spent["calls"],
+            "steps": spent["steps"], "counting_us_per_step": spent["s"] / max(spent["steps"], 1) * 1e6,
+            "snapshot_us": snapshot_us}
 
 
 def _max_rss_mb() -> float:

@@ -1,7 +1,7 @@
 """This engine against vLLM's CPU build on the same cores, the same model files and the same GRPO step.
 
     python benchmarks/bench_vllm.py --setup    # once: vLLM's CPU build in its own virtualenv (benchmarks/.vllm/)
-    python benchmarks/bench_vllm.py            # the table: 25M Llama and ~100M Qwen2, 128 and 512 rows (~25 min)
+    python benchmarks/bench_vllm.py            # the table: 25M Llama and ~100M Qwen2, 128 and 512 rows (~40 min on 2 cores)
     python benchmarks/bench_vllm.py --quick    # one small row, one round each (~3 min with vLLM's compile)
     python benchmarks/bench_vllm.py --rows 25m:128 --rounds 3   # chosen rows
 

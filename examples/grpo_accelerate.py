@@ -17,6 +17,9 @@ would each believe they are alone) and the ranks talk over gloo; the sharded lay
 Each rank first proves it is in one group (num_processes and an all_reduce of ones). At the end every rank reports
 its weights fingerprint (trainer and rollout side), policy_version and worst train/rollout logprob gap, one line per
 rank; the script exits 1 unless all agree and every gap is < --max-gap (1e-4). Same toy task as `rollout demo`.
+
+Every step's metrics (the trainer's, the off-policy split, and the rollout side's `rollout/...`: docs/observability.md)
+go through accelerate's trackers (`--log-with`, TensorBoard by default, under --out/tensorboard; rank 0 writes).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from trainers_integration.distributed import (LAYOUTS, MainProcessRollouts, chec
                                               format_report, make_accelerator, rank_prompts, rank_report)
 from trainers_integration.grpo import GRPOConfig, GRPOTrainer, format_metrics
 from trainers_integration.lora import add_lora, trainable
+from trainers_integration.tracking import tracker_missing
 
 MAX_GAP = 1e-4
 
@@ -57,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lora", action="store_true", help="train rank-8 LoRA adapters (PEFT) on a frozen base")
     parser.add_argument("--fleet-workers", type=int, default=2, help="actors of the fleet layout")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-with", default="tensorboard", help="accelerate tracker for every step's metrics "
+                        "(tensorboard, wandb, trackio, ...; 'none' to skip)")
     parser.add_argument("--max-gap", type=float, default=MAX_GAP, help="worst train/rollout logprob gap allowed on "
                         "any rank (the 25m test model's own fp32 noise is ~1e-4: use 1e-3 there)")
     args = parser.parse_args(argv)
@@ -89,7 +95,9 @@ def build_rollouts(args, accelerator, policy, rollout_copy, tokenizer):
 def main(argv=None) -> None:
     args = parse_args(argv)
     faulthandler.register(signal.SIGTERM, chain=True)  # a rank the launcher has to stop prints where it hung
-    accelerator = make_accelerator(fsdp=args.layout == "sharded")
+    log_with = None if args.log_with == "none" or tracker_missing(args.log_with) else args.log_with
+    accelerator = make_accelerator(fsdp=args.layout == "sharded", log_with=log_with,
+                                   project_dir=str(Path(args.out) / "tensorboard"))
     group = check_process_group(accelerator)
     rank = accelerator.process_index
     say(f"rank {rank}: group of {group['num_processes']} ({group['distributed_type']}, backend {group['backend']}), "
@@ -112,7 +120,10 @@ def main(argv=None) -> None:
     config = GRPOConfig(num_generations=args.generations, max_new_tokens=args.max_new_tokens, temperature=1.0)
     reward = target_reward(tokenizer.convert_tokens_to_ids("7"))
     prompts = rank_prompts(make_prompts(tokenizer, args.prompts, args.seed), accelerator)
-    trainer = GRPOTrainer(policy, optimizer, reward, prompts, rollouts, config)
+    if log_with is not None:
+        accelerator.init_trackers(f"{args.layout}{'-lora' if args.lora else ''}", config=dict(
+            steps=args.steps, prompts=args.prompts, generations=args.generations, lr=args.lr, seed=args.seed))
+    trainer = GRPOTrainer(policy, optimizer, reward, prompts, rollouts, config, tracker=accelerator)
     for _ in range(args.steps):
         metrics = trainer.step()
         say(f"[rank {rank}] {format_metrics(metrics)}")

@@ -13,6 +13,8 @@ from typing import Any, Sequence
 
 import torch
 
+from .moe import Routing
+
 
 @dataclass(frozen=True)
 class Row:
@@ -35,6 +37,7 @@ class Row:
     reused_tokens: int = 0  # of those, served by the prefix cache
     segment_index: int = 0  # which segment of its episode (0 without an environment)
     turn_rewards: list[float] | None = None  # per completion token: a turn's reward on its last token; None: zeros
+    routing: Routing | None = None  # the row's experts (one row), when the worker records routing
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,9 @@ class RolloutBatch:
         `num_turns` and `errors` are the episode's, repeated on each of its rows.
     turn_rewards: (R, T) float32, each turn's reward on that turn's last model token, 0.0 elsewhere; summed over an
         episode's rows they give its `rewards`.
+    routing: None, or (with WorkerConfig(record_routing=True) on a mixture of experts) the experts the engine's own
+        forward chose at every position of each row, prompt and completion (`rollout.moe.Routing`: per row a
+        (positions, layers, top_k) uint8 tensor and the routers' names), for `rollout.replay_routing`.
     stats: counts of the call: `prompt_tokens` (what its engine requests were prompted with, every turn of an
         episode counted), `reused_tokens` (of those, served by the prefix cache), `prefill_tokens` (the rest).
     """
@@ -90,6 +96,7 @@ class RolloutBatch:
     episode_index: torch.Tensor
     segment_index: torch.Tensor
     turn_rewards: torch.Tensor
+    routing: Routing | None = field(default=None, compare=False)
     stats: dict[str, int] = field(default_factory=dict, compare=False)
     tokenizer: Any = field(default=None, repr=False, compare=False)
 
@@ -134,6 +141,7 @@ class RolloutBatch:
             episode_index=_episode_index(rows),
             segment_index=torch.tensor([r.segment_index for r in rows], dtype=torch.long),
             turn_rewards=turn_rewards,
+            routing=_routing(rows),
             stats=_stats(rows),
             tokenizer=tokenizer,
         )
@@ -160,7 +168,8 @@ class RolloutBatch:
                 action_mask=self.action_mask[i, :length].tolist(), reward=float(self.rewards[i]),
                 token_versions=self.token_versions[i, :length].tolist(),
                 num_turns=int(self.num_turns[i]), error=self.errors[i], segment_index=int(self.segment_index[i]),
-                turn_rewards=self.turn_rewards[i, :length].tolist(), **self._row_stats(i)))
+                turn_rewards=self.turn_rewards[i, :length].tolist(),
+                routing=None if self.routing is None else self.routing.select([i]), **self._row_stats(i)))
         return out
 
     def _row_stats(self, i: int) -> dict[str, int]:
@@ -197,6 +206,17 @@ def _episode_index(rows: Sequence[Row]) -> torch.Tensor:
         index.append(index[-1] + (key != previous) if index else 0)
         previous = key
     return torch.tensor(index, dtype=torch.long)
+
+
+def _routing(rows: Sequence[Row]) -> Routing | None:
+    """Every row's routing, or None when no row has any. ValueError if only some rows have it."""
+    have = [r.routing is not None for r in rows]
+    if not any(have):
+        return None
+    if not all(have):
+        raise ValueError(f"{have.count(False)} of {len(rows)} rows have no routing: rows recorded with and without "
+                         "record_routing cannot be batched together. Fix: record routing on every worker.")
+    return Routing.concat([r.routing for r in rows])
 
 
 def _stats(rows: Sequence[Row]) -> dict[str, int]:

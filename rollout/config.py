@@ -82,6 +82,10 @@ class WorkerConfig:
         (benchmarks/RESULTS.md, "LoRA"). Costs a second copy of the targeted base weights while a call runs, and
         fp32 rounding of W + BA instead of Wx + B(Ax) (the trainer/rollout gap measured ~2x the unmerged one, still
         ~1e-5 on the test model): turn it off when that memory is not there. No effect without adapters.
+    record_routing: for a mixture-of-experts model, record the experts the engine's forward chose for every position
+        of every row (`RolloutBatch.routing`, for `rollout.replay_routing`; docs/moe.md). Off by default (no hooks, no
+        cost); on, the engine's steps are not captured in CUDA graphs (a replayed graph runs no hooks). A model whose
+        routers the recorder does not understand is refused at start.
     """
 
     page_size: int = 16
@@ -100,6 +104,7 @@ class WorkerConfig:
     attn_implementation: str | None = "auto"
     cuda_graphs: str = "auto"
     merge_adapters: bool = True
+    record_routing: bool = False
 
     def __post_init__(self) -> None:
         check_int("page_size", self.page_size, 4, "use a page size of at least 4 tokens (16 is a good CPU default)")
@@ -124,7 +129,7 @@ class WorkerConfig:
                                                      or not self.attn_implementation):
             raise invalid("attn_implementation", self.attn_implementation, "must be None or a non-empty string",
                           "use 'auto', 'rollout_paged', 'sdpa', a flash implementation, or None")
-        for name in ("prefix_caching", "merge_adapters"):
+        for name in ("prefix_caching", "merge_adapters", "record_routing"):
             if not isinstance(getattr(self, name), bool):
                 raise invalid(name, getattr(self, name), "must be a bool", "use True or False")
         if self.cuda_graphs not in CUDA_GRAPH_POLICIES:

@@ -36,7 +36,9 @@ class Rollouts(Protocol):
     def submit(self, prompts: Sequence[Any], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                chat_template: bool = False, env: EnvFactory | None = None, max_turns: int = 1,
                max_episode_tokens: int | None = None, env_timeout: float | None = 300.0) -> Any:
-        """`generate`, returning at once a future (`done()`, `result(timeout)`, `cancel()`; docs/async.md)."""
+        """`generate`, returning at once a future (`done()`, `result(timeout)`, `cancel()`; docs/async.md) whose
+        `as_completed(timeout)` yields each prompt's group as a RolloutBatch as soon as it finishes (docs/collector.md:
+        what `rollout.RolloutCollector` builds on)."""
 
     def update_weights(self, weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
                        version: int | None = None, full: bool = False, in_flight: str | None = None) -> int:
@@ -49,6 +51,13 @@ class Rollouts(Protocol):
     def score(self, prompts: Sequence[Any], completions: Sequence[Any], temperature: Any = 1.0,
               **kwargs: Any) -> list[torch.Tensor]:
         """Teacher-forced logprobs of stored completions with the rollout side's weights (see rollout.scoring)."""
+
+    def metrics(self) -> Any:
+        """A snapshot of counters and gauges (rollout.metrics: WorkerMetrics, or a fleet's FleetMetrics with its
+        totals); names, units and meanings in docs/observability.md."""
+
+    def serve_metrics(self, port: int, host: str = "127.0.0.1") -> Any:
+        """Serve `metrics()` for Prometheus on http://host:port/metrics (rollout.prometheus.MetricsServer)."""
 
     def close(self) -> None:
         """Stop the engine(s); the object is unusable afterwards."""

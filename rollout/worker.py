@@ -6,6 +6,8 @@
     worker.refresh()                           # shared model: fence, cache invalidation, version bump
     worker.update_weights(state_dict)          # own copy: atomic, validated, in-place copy
     worker.sleep(); ...train...; worker.wake() # colocated with a trainer: the KV cache is freed while it trains
+    worker.metrics()                           # counters and gauges (rollout/metrics.py); docs/observability.md
+    worker.serve_metrics(9400)                 # the same, for Prometheus, on http://127.0.0.1:9400/metrics
 
 One persistent engine per worker (started once; rebuilt when it wakes from `sleep`). A shared model is used in
 place: generate leaves its training flag and attention implementation as it found them, and never touches its
@@ -18,7 +20,7 @@ import atexit
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -28,13 +30,16 @@ from .config import WorkerConfig
 from .engine import (Call, Engine, Episode, Sample, current_attn_implementation, resolve_attn_implementation,
                      set_attn_implementation)
 from .loading import load_model, loading_attention, pad_token_id
+from .metrics import WorkerMetrics
 from .prompts import prepare_call
 from .config import check_in_flight
 from .env import EnvFactory, EpisodeSpec
+from .errors import invalid
 from .future import RolloutFuture
 from .params import SamplingParams
 from . import adapters, weights as weights_mod
 
+TokenCallback = Callable[[int, int, list[int], list[float], list[int]], None]
 _LIVE_WORKERS: "weakref.WeakSet[RolloutWorker]" = weakref.WeakSet()
 
 
@@ -67,6 +72,7 @@ class RolloutWorker:
             self._set_attn(self._user_attn)
         self._digests = weights_mod.DigestCache()  # per-tensor checksums: a fingerprint re-reads only what changed
         self._half_updated: str | None = None  # why a bucketed update stopped midway (see update_weights_by_bucket)
+        self._metrics_server = None  # the Prometheus endpoint, when serve_metrics started one
         _LIVE_WORKERS.add(self)
 
     # ------------------------------------------------------------------ properties
@@ -81,6 +87,16 @@ class RolloutWorker:
     @property
     def vocab_size(self) -> int:
         return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def max_context(self) -> int | None:
+        """The model's context length (`max_position_embeddings`), or None if its config has none."""
+        return getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The longest request (prompt + completion) the KV cache holds."""
+        return self.engine.max_request_tokens
 
     @property
     def default_stop_ids(self) -> tuple[int, ...]:
@@ -114,32 +130,42 @@ class RolloutWorker:
 
     def submit(self, prompts: Sequence[Any], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                chat_template: bool = False, env: EnvFactory | None = None, max_turns: int = 1,
-               max_episode_tokens: int | None = None, env_timeout: float | None = 300.0) -> RolloutFuture:
+               max_episode_tokens: int | None = None, env_timeout: float | None = 300.0,
+               on_tokens: TokenCallback | None = None) -> RolloutFuture:
         """Validate the call, submit it and return at once (docs/async.md). Several calls may be in flight; weight
         updates may land while they run (`update_weights(..., in_flight=...)`), and every token of the result says
-        which version produced it (`batch.token_versions`)."""
+        which version produced it (`batch.token_versions`).
+
+        `on_tokens(prompt_index, sample_index, token_ids, logprobs, token_versions)` streams the call (not with
+        `env`): called on the engine thread after every step that samples a token for a row, with everything the row
+        has so far; it must return at once (hand the lists to another thread). A row re-run after an engine restart
+        or an "abort" update reports from its first token again. The batch at the end holds the same tokens."""
         if self._half_updated is not None:
             raise RuntimeError(f"the weights are half-updated: {self._half_updated}. Fix: send the whole state dict "
                                "with update_weights(..., full=True) before generating.")
         spec = EpisodeSpec.of(env, max_turns, max_episode_tokens, env_timeout)
+        if on_tokens is not None and (spec is not None or not callable(on_tokens)):
+            raise invalid("on_tokens", on_tokens, "must be a callable, and streams single-turn calls only",
+                          "drop env=... to stream, or on_tokens=... to run episodes")
         groups = self._prepare(prompts, sampling, chat_template, spec)
-        call = Call([s for group in groups for s in group], on_over=lambda _: self._leave_generation_mode())
+        call = Call([s for group in groups for s in group], on_over=lambda _: self._leave_generation_mode(),
+                    on_tokens=None if on_tokens is None else
+                    lambda s, ids, lps, vs: on_tokens(s.prompt_index, s.sample_index, ids, lps, vs))
         future = RolloutFuture(call, self.engine.cancel, self._batch_of)
         self._enter_generation_mode()
         if call.samples:
             self.engine.submit(groups, call)
         else:
             self._leave_generation_mode()
-            call.settled.set()
+            call.settle()
         return future
 
-    def _batch_of(self, call: Call) -> RolloutBatch:
-        rows = sorted((r for s in call.samples for r in s.rows()),
-                      key=lambda r: (r.prompt_index, r.sample_index, r.segment_index))
+    def _batch_of(self, rows: list) -> RolloutBatch:
+        rows = sorted(rows, key=lambda r: (r.prompt_index, r.sample_index, r.segment_index))
         return RolloutBatch.from_rows(rows, pad_token_id=pad_token_id(self.tokenizer), tokenizer=self.tokenizer)
 
     def _prepare(self, prompts, sampling, chat_template, spec: EpisodeSpec | None = None) -> list[list[Sample]]:
-        max_context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        max_context = self.max_context
         limit = self.engine.max_request_tokens if max_context is None else min(max_context,
                                                                                 self.engine.max_request_tokens)
         token_lists, params = prepare_call(prompts, sampling, self.tokenizer, chat_template, self.vocab_size,
@@ -314,8 +340,28 @@ class RolloutWorker:
         finally:
             self._leave_generation_mode()
 
+    # ------------------------------------------------------------------ observability
+    def metrics(self) -> WorkerMetrics:
+        """A snapshot of what this worker has done since it started (counters: tokens, rows by finish reason,
+        preemptions, restarts, weight updates, ...) and holds now (gauges: requests, KV pages, version); names,
+        units and meanings in rollout/metrics.py and docs/observability.md."""
+        return WorkerMetrics.of(*self.engine.metrics())
+
+    def serve_metrics(self, port: int, host: str = "127.0.0.1"):
+        """Serve `metrics()` for Prometheus on http://host:port/metrics until the worker closes (or the returned
+        `MetricsServer` is closed). Listens on this machine only unless `host` says otherwise (e.g. "0.0.0.0").
+        One endpoint per worker: a second call is refused while the first serves. `port=0` picks a free port."""
+        from .prometheus import serve
+
+        with self._lock:
+            self._metrics_server = serve(self._metrics_server, self.metrics, port, host, "worker")
+            return self._metrics_server
+
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
+        server = getattr(self, "_metrics_server", None)
+        if server is not None:
+            server.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.close()

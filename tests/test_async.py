@@ -146,7 +146,7 @@ def test_recompute_switch_during_episodes(own):
 
     future = worker.submit(prompts_of([10, 17]), SamplingParams(n=2, max_new_tokens=30, ignore_eos=True),
                            env=Slowish, max_turns=4)
-    time.sleep(0.15)
+    wait_for_tokens(worker, 2)  # mid-episode, whatever the machine's load: every row has tokens of version 0
     worker.update_weights(models[1].state_dict(), in_flight="recompute")
     batch = future.result(timeout=120)
     assert batch.finish_reason == ["max_turns"] * 4
@@ -230,3 +230,46 @@ def test_bad_in_flight_values_are_rejected_before_anything_changes(own):
     with pytest.raises(ValueError, match="in_flight"):
         WorkerConfig(in_flight="eventually")
     assert worker.weights_fingerprint() == before and worker.policy_version == 0
+
+
+def test_groups_stream_in_finishing_order_with_the_calls_prompt_index_and_result_is_unchanged(own):
+    worker, models = own
+    prompts = prompts_of([5, 9, 4, 12, 7, 6], seed=3)
+    budgets = [120, 3, 120, 8, 120, 13]
+    future = worker.submit(prompts, [SamplingParams(n=2, max_new_tokens=b, ignore_eos=True) for b in budgets])
+    order = []
+    for group in future.as_completed(timeout=120):
+        i = int(group.prompt_index[0])
+        order.append(i)
+        assert group.prompt_index.tolist() == [i, i] and group.sample_index.tolist() == [0, 1]
+        assert group.prompt_ids == [prompts[i]] * 2 and (group.completion_lengths == budgets[i]).all()
+        assert gaps_by_version({0: models[0]}, group)[0] <= TOL
+    assert sorted(order) == list(range(6)) and set(order[:3]) == {1, 3, 5}  # the short groups came back first
+    batch = future.result()
+    assert batch.prompt_index.tolist() == [i for i in range(6) for _ in range(2)]
+    again = {int(g.prompt_index[0]): g for g in future.as_completed()}  # a second iteration sees every group
+    for i, group in again.items():
+        assert torch.equal(group.completion_ids, batch.completion_ids[2 * i: 2 * i + 2, : group.completion_ids.shape[1]])
+        assert torch.equal(group.logprobs, batch.logprobs[2 * i: 2 * i + 2, : group.logprobs.shape[1]])
+    assert future.discarded_tokens == 0
+
+
+def test_as_completed_yields_finished_groups_then_raises_on_cancel_and_its_timeout_leaves_the_call_running(own):
+    worker, _ = own
+    engine = worker.engine
+    prompts = prompts_of([6, 8, 10], seed=4)
+    future = worker.submit(prompts, [SamplingParams(n=2, max_new_tokens=b, ignore_eos=True) for b in (2, 400, 400)])
+    groups = future.as_completed(timeout=60)
+    first = next(groups)
+    assert first.prompt_index.tolist() == [0, 0] and (first.completion_lengths == 2).all()
+    wait_for_tokens(worker, 5)
+    assert future.cancel()
+    with pytest.raises(CancelledError):
+        next(groups)
+    assert future.discarded_tokens >= 4 * 5  # the two long groups' rows had sampled at least 5 tokens each
+    timed = worker.submit(prompts[:1], SamplingParams(n=2, max_new_tokens=60, ignore_eos=True))
+    with pytest.raises(TimeoutError, match="0/1 groups done"):
+        list(timed.as_completed(timeout=0.01))
+    assert len(timed.result(timeout=60)) == 2 and timed.discarded_tokens == 0  # the call went on
+    time.sleep(0.3)  # the loop drops the cancelled requests at its next step
+    assert not engine._pending and not engine._calls and len(engine._ledger) == 0

@@ -96,7 +96,8 @@ def test_version_and_every_help_are_complete(capsys):
     wanted = {(): ["generate", "score", "demo"],
               ("generate",): ["--model", "--input", "--output", "--n", "--temperature", "--top-k", "--top-p",
                               "--max-new-tokens", "--stop-token-ids", "--ignore-eos", "--seed", "--chat-template",
-                              "--workers", "--batch-size", "--overwrite", "prompt_ids", "finish_reason", "Exit codes"],
+                              "--workers", "--batch-size", "--overwrite", "prompt_ids", "finish_reason", "Exit codes",
+                              "--metrics-port", "--metrics-host"],
               ("score",): ["INPUT", "OUTPUT", "--model", "--temperature", "completion_ids", "logprob_sum"]}
     for command, words in wanted.items():
         with pytest.raises(SystemExit) as done:
@@ -174,6 +175,84 @@ def test_sigterm_mid_run_leaves_whole_rows_and_a_rerun_completes(tiny_path, tmp_
     code, err = call(argv, capsys)
     assert code == 0 and "generated 4 rows (2 already done)" in err, err
     assert [r["i"] for r in read_jsonl(dst)] == list(range(6))
+
+
+def test_metrics_port_in_use_fails_before_the_input_is_read(tiny_path, tmp_path, capsys):
+    import socket
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, err = call(["generate", "--model", tiny_path, "--input", src, "--output", tmp_path / "o.jsonl",
+                          "--metrics-port", port], capsys)
+    assert code == 2 and err.startswith(f"rollout: error: --metrics-port {port}: cannot serve metrics on 127.0.0.1 "
+                                        f"port {port}: Address already in use. Fix:"), err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_generate_serves_exact_metrics_while_it_runs_and_stops_after(tiny_path, tmp_path, capsys, monkeypatch):
+    import urllib.error
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from rollout.worker import RolloutWorker
+
+    servers, scraped, tokens = [], [], [0]
+    serve = RolloutWorker.serve_metrics
+    monkeypatch.setattr(RolloutWorker, "serve_metrics", lambda self, *a: servers.append(serve(self, *a)) or
+                        servers[-1])
+    real = records.generate_rows
+
+    def scrape_after_each_chunk(chunk, batch, tokenizer):  # the endpoint, while the command runs
+        tokens[0] += int(batch.completion_lengths.sum())
+        text = urllib.request.urlopen(servers[0].url, timeout=10).read().decode()
+        values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+        scraped.append((values["rollout_generated_tokens_total"], tokens[0]))
+        return real(chunk, batch, tokenizer)
+
+    monkeypatch.setattr(records, "generate_rows", scrape_after_each_chunk)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt_ids": [10 + i, 20, 30], "n": 2} for i in range(5)])
+    code, err = call(["generate", "--model", tiny_path, "--input", src, "--output", tmp_path / "o.jsonl",
+                      "--max-new-tokens", "4", "--batch-size", "2", "--metrics-port", "0", "--no-progress"], capsys)
+    assert code == 0, err
+    assert f"rollout: serving metrics on {servers[0].url}" in err and servers[0].url.startswith("http://127.0.0.1:")
+    assert len(scraped) == 3 and all(got == want for got, want in scraped), scraped  # exact after every chunk
+    with pytest.raises(urllib.error.URLError):  # the run is over: so is its endpoint
+        urllib.request.urlopen(servers[0].url, timeout=5)
+
+
+def test_the_progress_bar_shows_the_engines_tok_s_and_kv_use(monkeypatch):
+    import threading
+
+    from rollout.cli.main import LiveStatus
+    from rollout.metrics import WorkerMetrics
+
+    clock = iter([100.0, 102.0])
+    snapshots = iter([WorkerMetrics(sampled_tokens=50, kv_pages_total=64, kv_pages_used=16, kv_pages_peak=20),
+                      WorkerMetrics(sampled_tokens=650, kv_pages_total=64, kv_pages_used=48, kv_pages_peak=48)])
+    status = LiveStatus(clock=lambda: next(clock))
+    assert status() == ""  # before the model is loaded
+    status.source = lambda: next(snapshots)
+    assert status() == "0.0 tok/s, KV 25% (16/64 pages, peak 20)"
+    assert status() == "300.0 tok/s, KV 75% (48/64 pages, peak 48)"  # 600 tokens in 2 s
+
+    class Bar:
+        def __init__(self):
+            self.shown, self.event = [], threading.Event()
+
+        def set_postfix_str(self, text):
+            self.shown.append(text)
+            self.event.set()
+
+    monkeypatch.setattr(jsonl, "LIVE_S", 0.01)
+    bar = Bar()
+    ticker = jsonl.Ticker(bar, lambda: "42.0 tok/s, KV 1%")
+    assert bar.event.wait(5)
+    ticker.stop()
+    assert bar.shown[0] == "42.0 tok/s, KV 1%"
 
 
 # ---------------------------------------------------------------------------------------------- jsonl driver

@@ -58,6 +58,15 @@ def test_a_layout_runs_under_accelerate_launch_as_one_group_of_two_ranks_that_en
     assert all(float(gap) < 1e-4 for _, _, _, gap in reports.values())
     assert "ranks agree: True" in out
     assert len(re.findall(r"^\[rank [01]\] step +\d", out, re.M)) == 4  # 2 steps on each rank
+    # rank 0 logged every step through accelerate's TensorBoard tracker, the rollout side's counters included:
+    # colocated, its own worker made its 2 prompts x 4 rows per step; otherwise rank 0's backend made every rank's
+    (run,) = (tmp_path / "tensorboard").iterdir()
+    scalars = tensorboard_scalars(run)
+    rows = {name: values for name, values in scalars.items() if name.startswith("rollout/rows_finished/")}
+    per_step = 8 if layout == "colocated" else 16
+    assert [sum(v[i][1] for v in rows.values()) for i in range(2)] == [per_step, 2 * per_step], rows
+    assert [step for step, _ in scalars["rollout/generated_tokens"]] == [1, 2]
+    assert all(abs(value) < 1e-4 for _, value in scalars["offpolicy/gap_current"])
 
 
 def test_a_run_whose_ranks_fail_the_check_exits_nonzero_naming_why(tiny_path, tmp_path):
@@ -66,6 +75,14 @@ def test_a_run_whose_ranks_fail_the_check_exits_nonzero_naming_why(tiny_path, tm
     assert result.returncode != 0, out[-6000:]
     assert "ranks agree: False" in out and "DISAGREE: logprob gap >= 0" in out
     assert len(REPORT.findall(out)) == 2  # both ranks still report
+
+
+def tensorboard_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
 def report(rank: int, **overrides) -> dict:

@@ -75,6 +75,15 @@ def test_dispatch_keeps_prompts_whole_and_hands_out_every_job_once():
     assert sorted(seen) == list(range(40))
 
 
+def test_dispatch_requeues_only_the_jobs_a_dead_actor_had_not_streamed_back():
+    plan = Dispatcher([5, 7, 9, 11], slots=[0, 1])
+    (_, first), (_, second) = plan.assign([0, 1])
+    assert plan.fail(0, done={first.jobs[0]}) == []
+    assert [c.jobs for c in plan.pending] == [first.jobs[1:]] and plan.pending[0].cost == sum(
+        [5, 7, 9, 11][j] for j in first.jobs[1:])
+    assert plan.fail(1, done=set(second.jobs)) == [] and len(plan.pending) == 1  # nothing left of it: not requeued
+
+
 def test_dispatch_requeues_a_dead_actors_jobs_and_gives_up_on_a_poison_prompt():
     plan = Dispatcher([5, 5, 5, 5], slots=[0, 1], max_attempts=2)
     plan.assign([0, 1])
@@ -145,8 +154,10 @@ def test_actor_rebuilds_an_in_memory_model_with_identical_weights(tiny):
         actor = FleetActor(source, CONFIG, tok)
         try:
             assert actor.state() == (0, fingerprint(model))
-            rows = actor.generate([[5, 6, 7], [8, 9]], [SamplingParams(n=2, max_new_tokens=4)] * 2)
+            streamed = dict(actor.generate([[5, 6, 7], [8, 9]], [SamplingParams(n=2, max_new_tokens=4)] * 2))
+            rows, metrics = [streamed[0], streamed[1]], streamed[-1]  # one item per prompt, then the metrics
             assert [[(r.prompt_index, r.sample_index) for r in g] for g in rows] == [[(0, 0), (0, 1)], [(1, 0), (1, 1)]]
+            assert metrics.generated_tokens == sum(len(r.completion_ids) for g in rows for r in g)
         finally:
             actor.close()
 
@@ -353,6 +364,7 @@ def test_segment_rows_come_back_from_the_actors_with_their_own_prompts(fleet, lo
 
 def test_an_actor_killed_mid_generate_loses_no_row_and_comes_back_on_current_weights(fleet, local):
     victim, killed = fleet.actors[0], threading.Event()
+    before = fleet.metrics()
 
     def kill_when_busy() -> None:
         deadline = time.monotonic() + 120
@@ -377,6 +389,10 @@ def test_an_actor_killed_mid_generate_loses_no_row_and_comes_back_on_current_wei
     batch = fleet.generate(prompts[:6], params[:6])
     assert_exact(local, batch, prompts[:6], params[:6])
     assert _stats(fleet)[0]["num_rows"] > 0  # the replacement took work
+    after = fleet.metrics()  # the dead actor's counts stay in the totals: nothing goes backwards
+    assert after.actor_replacements == before.actor_replacements + 1
+    assert after.total.generated_tokens >= before.total.generated_tokens + int(batch.completion_lengths.sum())
+    assert all(after.total.rows_finished[k] >= v for k, v in before.total.rows_finished.items())
 
 
 def test_gloo_group_broadcast_sends_nothing_through_the_object_store(fleet, local, monkeypatch):
@@ -396,7 +412,7 @@ def test_gloo_group_broadcast_sends_nothing_through_the_object_store(fleet, loca
 
 def test_a_hung_actor_times_out_naming_it_and_its_replacement_rejoins_the_group(fleet, local, monkeypatch):
     stalled = fleet.actors[1]
-    stalled.__ray_call__.remote(lambda self: time.sleep(300))  # occupies its generate queue
+    ray.get(stalled.__ray_call__.remote(lambda self: setattr(self.worker, "submit", lambda *a, **k: time.sleep(300))))
     prompts = [prompt_of(5, 70 + i) for i in range(6)]
     params = [SamplingParams(n=2, max_new_tokens=6)] * len(prompts)
     with pytest.raises(TimeoutError, match=r"timed out after 3s with \d+/12 rows done; actor 1 \(pid \d+") as exc:
@@ -477,6 +493,115 @@ def test_an_actor_dying_while_an_update_lands_mid_call_loses_no_row_and_versions
             at = row_versions == version
             assert torch.allclose(batch.logprobs[r, :n][at], full[at], atol=TOL)
     assert 11 in versions  # the replacement's re-run rows (and the survivor's tail) came from the new weights
+
+
+def test_groups_stream_back_as_each_finishes_and_calls_run_side_by_side(fleet, local):
+    prompts = [prompt_of(4 + i, 150 + i) for i in range(6)]
+    budgets = [150, 4, 150, 9, 150, 14]
+    params = [SamplingParams(n=2, max_new_tokens=b, ignore_eos=True) for b in budgets]
+    future = fleet.submit(prompts, params)
+    short = fleet.generate(prompts[:1], [SamplingParams(max_new_tokens=3)])  # a second call, beside the first
+    assert len(short) == 1 and not future.done()
+    order = []
+    for group in future.as_completed(timeout=300):
+        i = int(group.prompt_index[0])
+        order.append(i)
+        assert group.prompt_index.tolist() == [i, i] and group.sample_index.tolist() == [0, 1]
+        assert (group.completion_lengths == budgets[i]).all() and group.prompt_ids[0] == prompts[i]
+        for r, completion in enumerate(group.completion_token_lists()):
+            full, _ = reference_logprobs(local, prompts[i], completion)
+            assert torch.allclose(group.logprobs[r, : len(completion)], full, atol=TOL)
+    assert sorted(order) == list(range(6)) and set(order[:3]) == {1, 3, 5}  # the short ones first
+    assert future.result().prompt_index.tolist() == [i for i in range(6) for _ in range(2)]
+
+
+def test_the_collector_filters_and_carries_groups_on_the_fleet_exactly(fleet, local):
+    from rollout import RolloutCollector, nonzero_std
+
+    old = copy.deepcopy(local)
+    prompts = [prompt_of(3 + i % 7, 200 + i) for i in range(120)]  # ~1 in 4 groups is accepted: room to spare
+    params = SamplingParams(n=2, max_new_tokens=60, stop_token_ids=list(range(10, 15)))
+
+    def reward(group):  # zero variance for even first tokens
+        return torch.zeros(2) if group.prompt_ids[0][0] % 2 == 0 else (group.completion_lengths % 2).float()
+
+    with RolloutCollector(fleet, prompts, params, reward_fn=reward, accept=nonzero_std, over_sample=2.0,
+                          partial=True, max_staleness=1) as collector:
+        first = collector.next_batch(3)
+        weights = perturbed(local, seed=7)
+        local.load_state_dict(weights)
+        version = fleet.update_weights(weights, in_flight="recompute")
+        second = collector.next_batch(3)
+    assert first.stats["accepted_groups"] == second.stats["accepted_groups"] == 3
+    models = {version - 1: old, version: local}
+    for batch in (first, second):
+        assert (batch.rewards.view(3, 2).std(dim=1) > 0).all()
+        for r, completion in enumerate(batch.completion_token_lists()):
+            prompt = prompts[int(batch.prompt_index[r])]
+            assert batch.prompt_ids[r] == prompt
+            versions = batch.token_versions[r, : len(completion)]
+            for v in versions.unique().tolist():
+                full, _ = reference_logprobs(models[v], prompt, completion)
+                assert torch.allclose(batch.logprobs[r, : len(completion)][versions == v], full[versions == v],
+                                      atol=TOL)
+    assert set(second.stats["staleness_hist"]) <= {0, 1}
+    deadline = time.monotonic() + 30
+    while any(s["busy"] for s in _stats(fleet)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(s["busy"] for s in _stats(fleet))  # closed: nothing of the collector's runs on the actors
+
+
+def test_fleet_metrics_total_every_actor_and_its_endpoint_serves_them(fleet, local):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    before = fleet.metrics()
+    assert before.actors_ready == 2 and sorted(before.actors) == [0, 1]
+    prompts = [prompt_of(5 + 4 * i, 200 + i) for i in range(8)]
+    params = [SamplingParams(n=2, max_new_tokens=5 + i, ignore_eos=True) for i in range(8)]
+    batch = fleet.generate(prompts, params)
+    after = fleet.metrics()
+    tokens = int(batch.completion_lengths.sum())
+    assert after.total.generated_tokens - before.total.generated_tokens == tokens
+    assert after.total.rows_finished["length"] - before.total.rows_finished.get("length", 0) == 16
+    assert sum(m.generated_tokens - before.actors[slot].generated_tokens for slot, m in after.actors.items()) == tokens
+    assert all(m.generated_tokens > before.actors[slot].generated_tokens for slot, m in after.actors.items())
+    assert after.dispatch_imbalance >= 1.0 and after.total.kv_pages_total == 2 * CONFIG.num_blocks
+    # a weight sync: counted once for the fleet, with the bytes of every tensor sent
+    weights = {name: t.clone() for name, t in local.state_dict().items()}
+    fleet.update_weights(weights, version=fleet.policy_version + 1)
+    synced = fleet.metrics()
+    assert synced.weight_syncs == after.weight_syncs + 1 and synced.weight_sync_seconds > after.weight_sync_seconds
+    assert synced.weight_sync_bytes - after.weight_sync_bytes == sum(t.numel() * t.element_size()
+                                                                     for t in weights.values())
+    assert synced.total.weight_updates["wait"] == after.total.weight_updates.get("wait", 0) + 2  # on both actors
+    server = fleet.serve_metrics(0)
+    with pytest.raises(RuntimeError, match="already serves"):
+        fleet.serve_metrics(0)
+    text = urllib.request.urlopen(server.url, timeout=30).read().decode()
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for family in text_string_to_metric_families(text) for s in family.samples}
+    now = fleet.metrics()  # nothing ran since the scrape: the same counts
+    assert got[("rollout_generated_tokens_total", ())] == now.total.generated_tokens
+    for slot, m in now.actors.items():
+        assert got[("rollout_actor_generated_tokens_total", (("actor", str(slot)),))] == m.generated_tokens
+    assert got[("rollout_fleet_weight_syncs_total", ())] == now.weight_syncs
+    assert got[("rollout_fleet_actors_ready", ())] == 2 and got[("rollout_policy_version", ())] == fleet.policy_version
+
+
+def test_fleet_metrics_waits_once_for_actors_that_do_not_answer_and_keeps_their_last_snapshot(fleet):
+    before = fleet.metrics()
+    for actor in fleet.actors:  # both "control" slots of every actor busy: metrics() cannot run there for 8 s
+        for _ in range(2):
+            actor.__ray_call__.options(concurrency_group="control").remote(lambda self: time.sleep(8))
+    start = time.monotonic()
+    stale = fleet.metrics(timeout=3)
+    elapsed = time.monotonic() - start
+    assert 3 <= elapsed < 5.5  # one timeout for the whole fleet, not one per actor (2 x 3 s)
+    assert stale.actors == before.actors and stale.total == before.total
+    time.sleep(max(0.0, 8.5 - (time.monotonic() - start)))  # the sleeps end: later tests find the slots free
+    assert fleet.metrics().actors_ready == 2
 
 
 def test_close_stops_every_actor_and_the_ray_it_started(fleet):

@@ -132,6 +132,22 @@ def test_kl_shaped_rewards_put_the_score_on_the_last_real_token():
                                t([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]]))
 
 
+def test_the_offpolicy_split_and_zero_variance_groups_by_hand():
+    from trainers_integration.tracking import offpolicy_split, zero_variance_fraction
+
+    trainer, behaviour = t([[-1.0, -2.0, -3.0], [-1.0, -1.5, 0.0]]), t([[-1.5, -2.0, -1.0], [-1.25, -1.0, 9.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    versions = torch.tensor([[2, 3, 3], [3, 3, -1]])
+    split = offpolicy_split(trainer, behaviour, mask, versions, version=3)
+    assert split == {"offpolicy/gap_current": pytest.approx((0.0 + 2.0 + 0.25 + 0.5) / 4),
+                     "offpolicy/gap_stale": pytest.approx(0.5), "offpolicy/stale_token_fraction": 0.2}
+    ahead = offpolicy_split(trainer, behaviour, mask, versions, version=4)  # the trainer moved on: all stale
+    assert math.isnan(ahead["offpolicy/gap_current"]) and ahead["offpolicy/stale_token_fraction"] == 1.0
+    rewards, groups = t([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 2.0]), torch.tensor([0, 0, 1, 1, 2, 2, 3])
+    assert zero_variance_fraction(rewards, groups) == 2 / 3  # prompt 3 has one sample: not a group
+    assert math.isnan(zero_variance_fraction(t([1.0]), torch.tensor([0])))
+
+
 def test_clipped_value_loss_hand_values():
     values, old, returns = t([0.5, -0.5, 0.1]), t([0.0, 0.0, 0.0]), t([1.0, -1.0, 1.0])
     loss, clipped = losses.clipped_value_loss(values, old, returns, clip=0.2)
@@ -251,6 +267,48 @@ def test_logprob_gap_catches_a_weight_sync_that_silently_does_nothing(tiny_path,
         first, second = trainer.train(2)
     assert first["logprob_gap_max"] < GAP  # same initial weights on both sides
     assert second["logprob_gap_max"] > 1e-2  # the trainer moved on, the worker did not
+
+
+def test_learn_on_a_batch_generated_elsewhere_is_the_step_that_generated_it(tiny_path, monkeypatch):
+    """`learn(batch, rewards)` (batches an outside harness drove, e.g. through rollout.serve) makes the update and
+    the weight push `step` makes on the same batch: same parameters, same loss, the rollout side one version on."""
+    import trainers_integration.loop as loop
+
+    config = GRPOConfig(num_generations=4, max_new_tokens=6)
+    results = []
+    for how in ("step", "learn"):
+        model, tok = load_tiny_model(tiny_path)
+        with RolloutWorker(model, WorkerConfig(), tokenizer=tok) as worker:
+            batch = worker.generate(ids(tok)[:2], SamplingParams(n=4, max_new_tokens=6, seed=3))
+            rewards = digit_reward(tok)(batch) + torch.arange(len(batch)) / 10  # no group is all-equal
+            trainer = GRPOTrainer(model, torch.optim.SGD(model.parameters(), lr=0.5), lambda b: rewards,
+                                  lambda step: ids(tok)[:2], worker, config)
+            if how == "step":
+                monkeypatch.setattr(loop, "timed_generate", lambda *a, **k: (batch, 0.5))
+                metrics = trainer.step()
+                monkeypatch.undo()
+            else:
+                metrics = trainer.learn(batch, rewards.tolist(), rollout_s=0.5)
+            assert worker.policy_version == 1 and trainer.num_steps == 1 and trainer.history == [metrics]
+            results.append((metrics, torch.cat([p.detach().flatten() for p in model.parameters()])))
+    (stepped, after_step), (learned, after_learn) = results
+    assert learned["loss"] == stepped["loss"] and learned["reward_mean"] == stepped["reward_mean"]
+    assert learned["logprob_gap_max"] < GAP and learned["rollout_s"] == 0.5
+    torch.testing.assert_close(after_learn, after_step, atol=0, rtol=0)
+
+
+def test_learn_is_refused_by_a_loop_that_generates_its_own_batches_ahead(tiny_path):
+    model, tok = load_tiny_model(tiny_path)
+    with RolloutWorker(tiny_path, WorkerConfig()) as worker:
+        trainer = GRPOTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), digit_reward(tok),
+                              lambda step: ids(tok), worker, GRPOConfig(num_generations=2, max_new_tokens=4,
+                                                                         async_rollouts=True))
+        try:
+            with pytest.raises(ValueError, match="async_rollouts"):
+                trainer.learn(worker.generate(ids(tok)[:1], SamplingParams(n=2, max_new_tokens=2)), [0.0, 1.0])
+            assert trainer.num_steps == 0 and worker.policy_version == 0
+        finally:
+            trainer.close()
 
 
 def test_grpo_rejects_a_reward_per_prompt_instead_of_per_row(tiny):
@@ -389,6 +447,11 @@ def test_async_grpo_trains_on_batches_at_most_one_version_old_whose_tokens_span_
         trainer.close()
         assert worker.policy_version == 4 and worker.weights_fingerprint() == _fingerprint(model)
     assert [m["staleness"] for m in history] == [0.0, 1.0, 1.0, 1.0] and history[-1]["dropped_batches"] == 0.0
+    # the off-policy split: tokens of the weights the trainer holds are exact (numerics only), older ones are not
+    assert math.isnan(history[0]["offpolicy/gap_stale"]) and history[0]["offpolicy/stale_token_fraction"] == 0
+    for m in history[1:]:  # a batch finished before the update landed is all stale
+        assert m["offpolicy/stale_token_fraction"] > 0 and not m["offpolicy/gap_current"] >= GAP
+        assert m["offpolicy/gap_stale"] > 100 * GAP
     assert len(batches) == 5  # steps 0..4 submitted: step t+1 was generating while step t trained
     trained = [f.result() for f in batches[1:4]]
     assert all(int(b.token_versions[b.action_mask].min()) == t for t, b in enumerate(trained))
@@ -422,6 +485,104 @@ def test_async_rollouts_refuse_a_worker_sharing_the_policy(tiny):
         GRPOConfig(async_rollouts=True, max_staleness=0)
 
 
+# ------------------------------------------------------------------------------------------ dynamic sampling
+def gated_reward(tok):
+    """digit_reward, but 0 for every row of a prompt whose first token is even: those groups have zero variance."""
+    digits = digit_reward(tok)
+
+    def reward(batch):
+        values = digits(batch)
+        gate = torch.tensor([float(p[0] % 2) for p in batch.prompt_ids])
+        return values * gate
+
+    return reward
+
+
+def step_prompts(tok):
+    words = "the a one two three four five six seven eight nine ten cat dog red blue".split()
+    return lambda step: [tok.encode(f"{words[(step * 4 + i) % 16]} {words[(step * 7 + 3 * i) % 16]} is")
+                         for i in range(4)]
+
+
+def spy_updates(trainer, monkeypatch) -> list:
+    """Record the (batch, rewards) every update trains on."""
+    seen = []
+    update = trainer._update
+
+    def recording(batch, rewards, ref):
+        seen.append((batch, rewards.clone()))
+        return update(batch, rewards, ref)
+
+    monkeypatch.setattr(trainer, "_update", recording)
+    return seen
+
+
+def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tiny, monkeypatch):
+    model, tok = tiny
+    config = GRPOConfig(num_generations=4, max_new_tokens=8, dynamic_sampling=True, over_sample=1.5)
+    with RolloutWorker(model, WorkerConfig(), tokenizer=tok) as worker:  # shared in place: nothing runs meanwhile
+        trainer = GRPOTrainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), gated_reward(tok),
+                              step_prompts(tok), worker, config)
+        seen = spy_updates(trainer, monkeypatch)
+        history = trainer.train(3)
+        trainer.close()
+        assert not worker.engine._pending and not worker.engine._calls  # partial=False: nothing left running
+    for (batch, rewards), m in zip(seen, history):
+        assert len(batch) == 16 and torch.equal(rewards, batch.rewards)
+        assert (rewards.view(4, 4).std(dim=1) > 0).all()  # every group trained on has a signal
+        assert all(p[0] % 2 == 1 for p in batch.prompt_ids)  # the gated (zero-variance) prompts never get in
+        assert m["accepted_groups"] == 4 and m["rejected_groups"] >= 1
+        assert m["zero_variance_frac"] == m["rejected_groups"] / (m["rejected_groups"] + 4)
+        assert m["logprob_gap_max"] < GAP and math.isfinite(m["loss"])
+
+
+def test_partial_rollouts_train_on_rows_spanning_versions_with_their_own_behaviour_logprobs(tiny_path,
+                                                                                         monkeypatch):
+    model, tok = load_tiny_model(tiny_path)
+    snapshots = {}
+    with RolloutWorker(tiny_path, WorkerConfig()) as worker:
+        config = GRPOConfig(num_generations=4, max_new_tokens=40, stop_token_ids=tuple(range(10, 16)),
+                            dynamic_sampling=True, partial_rollouts=True, over_sample=3.0, tis_cap=2.0)
+        trainer = GRPOTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), gated_reward(tok),
+                              step_prompts(tok), worker, config)
+        snapshots[0] = copy.deepcopy(model).eval()
+        seen = spy_updates(trainer, monkeypatch)
+        history = []
+        for step in range(4):
+            history.append(trainer.step())
+            snapshots[step + 1] = copy.deepcopy(model).eval()
+        trainer.close()
+        assert not worker.engine._pending and not worker.engine._calls
+    spanning = 0
+    for step, (batch, _) in enumerate(seen):
+        produced = batch.token_versions[batch.action_mask]
+        assert step - int(produced.min()) <= 1 and int(produced.max()) <= step  # max_staleness 1
+        for r, completion in enumerate(batch.completion_token_lists()):
+            versions = batch.token_versions[r, : len(completion)]
+            spanning += len(versions.unique()) > 1
+            for v in versions.unique().tolist():  # the behaviour logprob of every token: exact under its version
+                _, sampled = reference_logprobs(snapshots[v], batch.prompt_ids[r], completion, 1.0)
+                at = versions == v
+                assert torch.allclose(batch.sampling_logprobs[r, : len(completion)][at], sampled[at], atol=GAP)
+    assert spanning > 0 and sum(m["carried_rows"] for m in history) > 0  # rows carried across a weight push
+    assert max(m["staleness"] for m in history) == 1.0 and all(math.isfinite(m["loss"]) for m in history)
+
+
+def test_dynamic_sampling_config_and_sharing_are_checked_before_anything_runs(tiny):
+    for kwargs, match in [(dict(over_sample=0.5, dynamic_sampling=True), "over_sample"),
+                          (dict(over_sample=2.0), "over_sample=2.0 is invalid: only applies"),
+                          (dict(dynamic_sampling=True, async_rollouts=True), "async_rollouts"),
+                          (dict(partial_rollouts=1), "partial_rollouts")]:
+        with pytest.raises(ValueError, match=match):
+            GRPOConfig(**kwargs)
+    model, tok = tiny
+    with RolloutWorker(model, WorkerConfig(), tokenizer=tok) as worker:
+        with pytest.raises(ValueError, match="partial_rollouts=True is invalid with a RolloutWorker that shares"):
+            GRPOTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), digit_reward(tok), lambda s: ids(tok),
+                        worker, GRPOConfig(partial_rollouts=True))
+        assert not worker.engine._calls
+
+
 # ------------------------------------------------------------------------------------------ the demo, shortened
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory):
@@ -443,6 +604,15 @@ def test_demo_learns_in_a_few_steps(demo_dir, tmp_path, capsys):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     records = [json.loads(line) for line in (demo_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 12 and max(r["logprob_gap_max"] for r in records) < GAP
+    # every step's metrics, the rollout worker's included, also went to a TensorBoard run through accelerate
+    run = next(line for line in out if line.startswith("tensorboard: ")).split()[1]
+    assert run.startswith(str(demo_dir / "tensorboard"))
+    scalars = tensorboard_scalars(run)
+    for key in ("reward_mean", "rollout/generated_tokens", "rollout/kv_pages_peak", "offpolicy/gap_current",
+                "zero_variance_groups", "rollout/rows_finished/length"):
+        assert scalars[key] == [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in records], key
+    assert all(r["rollout/generated_tokens"] == sum(x["rollout_tokens"] for x in records[: i + 1])
+               for i, r in enumerate(records))  # the worker's counter: every token the trainer got, cumulated
 
 
 def test_the_multi_turn_demo_runs_episodes_and_plots_the_blind_ceiling(demo_dir, tmp_path, capsys):
@@ -479,11 +649,35 @@ def test_the_async_demo_learns_like_the_synchronous_one(demo_dir, tmp_path, caps
     assert [r["staleness"] for r in records][1:] == [1.0] * 11 and records[-1]["dropped_batches"] == 0.0
 
 
+def test_the_dynamic_demo_learns_and_plots_the_zero_variance_fraction(demo_dir, tmp_path, capsys):
+    from trainers_integration.demo import main
+
+    plot = tmp_path / "dynamic.png"
+    rc = main(["--dynamic", "--steps", "12", "--lr", "1e-2", "--seed", "0", "--out", str(demo_dir), "--plot", str(plot),
+               "--min-gain", "0.2"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0 and "dynamic sampling with partial rollouts" in out[0], "\n".join(out)
+    assert all("zero-var" in line for line in out if line.startswith("step "))
+    records = [json.loads(line) for line in (demo_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["zero_variance_frac"] > 0.3  # a random policy earns 0 on most groups
+    assert all(r["accepted_groups"] == 8 for r in records) and max(r["staleness"] for r in records) <= 1
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_demo_exits_nonzero_when_the_reward_does_not_rise(demo_dir, capsys):
     from trainers_integration.demo import main
 
     assert main(["--steps", "1", "--out", str(demo_dir), "--plot", ""]) == 1
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("reward: ")
+
+
+def tensorboard_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of a TensorBoard run, read back with TensorBoard's own event reader: tag -> [(step, value)]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
 def _fingerprint(model):

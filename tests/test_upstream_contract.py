@@ -58,6 +58,12 @@ Public but internal (no underscore, same risk):
   (upstream re-hashes a held block whose hash is missing, from its tokens alone; hashes are 64-bit blake2b).
 - `scheduler.active_requests`, `finish_request`, `add_waiting_request`, `RequestState.create_equivalent_initial_request`
   (switch.py): the soft reset a "recompute" switch applies to every request in flight.
+- `OffloadingManager.offload_requests` (preemption.py wraps it), `FIFOScheduler.schedule_batch` (scheduler.py wraps
+  it), the cache's `pool.free_sectors` / `count_free_blocks`, the ledgers' `cached_blocks`, `num_blocks`,
+  `num_sectors`, `bytes_per_sector` / `bytes_per_block`, `scheduler.waiting_requests`, `RequestState.logprobs`
+  (counters.py, core.py, scheduler.py): what the engine's metrics count. Preemptions are the requests
+  `offload_requests` takes out of the active set (the batch processor's only way to preempt); the KV peak is read
+  once a step's pages are allocated; a re-admitted request (soft reset) is told from a new one by its logprobs.
 - `OutputRouter.deliver` / `deliver_batch` (router.py overrides them), `ContinuousBatchingManager.start`'s body
   (replayed by core.py with a daemon thread), `switch_to_cb_friendly_attn` (manager.py lets `rollout_paged` through),
   the `PagedAttentionArgs` fields and `FullAttentionCacheAllocator.update`'s signature (attention.py), and
@@ -410,6 +416,28 @@ def test_a_soft_reset_folds_the_generated_tokens_into_the_prompt_and_keeps_id_an
     assert "_status" in vars(state)  # the field a soft reset sets directly, as upstream's preemption does
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
     assert ContinuousBatchingConfig().cpu_offload_space == 0  # no CPU swap pool: nothing restores old-weight KV
+
+
+def test_preemption_goes_through_offload_requests_which_takes_requests_out_of_the_active_set(worker):
+    """preemption.py counts a preemption as a request that `offload_requests` took out of `active_requests`: the batch
+    processor must still preempt only through it, and it must still finish (then requeue) each victim. The count
+    itself is checked against every soft reset under real KV pressure in tests/test_metrics.py."""
+    from transformers.generation.continuous_batching.offloading_manager import OffloadingManager
+
+    from rollout.engine.counters import kv_pages
+    from rollout.engine.preemption import RolloutOffloading
+
+    prepare = inspect.getsource(ContinuousBatchProcessor.prepare_next_batch)
+    assert prepare.count("self.offloading_manager.offload_requests()") == 2
+    offload = inspect.getsource(OffloadingManager.offload_requests)
+    assert "scheduler.finish_request(request_id)" in offload and "scheduler.add_waiting_request(new_state)" in offload
+    assert "new_state = state.create_equivalent_initial_request()" in offload
+    assert list(inspect.signature(FIFOScheduler.schedule_batch).parameters) == ["self", "token_budget", "cache_budget"]
+    assert RequestState(request_id="r", initial_tokens=[1, 2]).logprobs == []  # a new request has sampled nothing
+    processor = worker.engine._manager.batch_processor
+    assert type(processor.offloading_manager) is RolloutOffloading and type(processor.scheduler) is RolloutScheduler
+    worker.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=3))
+    assert kv_pages(processor.cache) == (64, 0, 0)  # the page count reads upstream's pools and ledgers
 
 
 def test_block_hashes_are_unsigned_64_bit_chained_from_the_parent():

@@ -24,6 +24,9 @@ class RolloutTrainerConfig:
         dropped and regenerated (metric `dropped_batches`).
     in_flight: how the weights pushed after a step land on the rollouts in flight (async only): "recompute"
         (default: every token exact under the version that produced it), "keep", "wait" or "abort".
+    routing_replay: mixtures of experts: every training forward routes each token to the experts the rollout chose
+        (`rollout.replay_routing`, R3; gate weights from the trainer's own router logits). The rollouts must record
+        routing (`WorkerConfig(record_routing=True)`); docs/moe.md.
     """
 
     num_generations: int = 1
@@ -39,6 +42,7 @@ class RolloutTrainerConfig:
     async_rollouts: bool = False
     max_staleness: int = 1
     in_flight: str = "recompute"
+    routing_replay: bool = False
 
     def __post_init__(self) -> None:
         check_int("num_generations", self.num_generations, 1, "use e.g. 1 or 8")
@@ -57,6 +61,8 @@ class RolloutTrainerConfig:
         check_int("max_staleness", self.max_staleness, 1 if self.async_rollouts else 0,
                   "allow at least 1 version of staleness (the rollouts of the next step overlap this one)")
         check_in_flight(self.in_flight)
+        if not isinstance(self.routing_replay, bool):
+            raise invalid("routing_replay", self.routing_replay, "must be a bool", "use True or False")
 
     def sampling(self) -> SamplingParams:
         """What every step asks the rollout side for."""

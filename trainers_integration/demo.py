@@ -6,8 +6,10 @@ few dozen steps. Nothing is downloaded: the model and its tokenizer are built lo
 
 Each step prints reward, KL to the initial policy, the train/rollout logprob gap (the health metric of the weight
 sync: ~1e-6 here, because trainer and worker share the parameters) and rollout tokens/s. The run saves a PNG of
-reward per step and per-step metrics as JSON lines, prints `reward: <first> -> <last>` (first step; mean of the
-last tenth of the steps) and exits 1 if the reward did not rise by at least `--min-gain`.
+reward per step, per-step metrics as JSON lines, and a TensorBoard run of every step's metrics (the trainer's, the
+off-policy split, the rollout worker's `rollout/...` counters and gauges: docs/observability.md) through accelerate's
+tracker, whose directory it prints; then `reward: <first> -> <last>` (first step; mean of the last tenth of the
+steps), and it exits 1 if the reward did not rise by at least `--min-gain`.
 
     rollout demo --steps 40 --seed 0          # or: python -m trainers_integration.demo
     rollout demo --lora                       # rank-8 LoRA adapters (PEFT) on a frozen base, shared in place
@@ -30,6 +32,14 @@ sampling against the per-token behaviour logprobs), by a worker holding its own 
 them after every step under in_flight="recompute".
 
     rollout demo --async
+
+With `--dynamic` GRPO uses dynamic sampling with partial rollouts (`rollout.RolloutCollector`): a group whose
+rewards are all equal teaches nothing and is replaced by another prompt's (over-sampling 2x), groups unfinished when
+a step's batch is complete carry into the next step (their tokens exact under the version that produced each), and
+each group is rewarded as soon as it finishes. A random policy earns 0 on most of its groups, so the zero-variance
+fraction starts high; each step prints it, and the plot shows it next to the reward.
+
+    rollout demo --dynamic
 """
 
 from __future__ import annotations
@@ -61,10 +71,12 @@ WORDS = ("the a one two three four five six seven eight nine ten plus minus what
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="rollout demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=None, help="GRPO steps (default 40: ~20 s on 2 CPU cores; 300 "
-                        "with --env: ~1.5 min)")
+                        "with --env: ~1.5 min; 20 with --dynamic)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model, the prompts and the sampling")
     parser.add_argument("--out", default="runs/demo", help="run directory: the tiny model and metrics.jsonl")
     parser.add_argument("--plot", default="runs/demo_reward.png", help="PNG of reward per step ('' to skip)")
+    parser.add_argument("--tensorboard", default=None, metavar="DIR", help="TensorBoard log directory: each run "
+                        "writes a subdirectory there (default: OUT/tensorboard; '' to skip)")
     parser.add_argument("--lr", type=float, default=None, help="AdamW learning rate (high: a tiny model; default "
                         "5e-3, 3e-3 with --env, 2e-2 with --lora)")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
@@ -74,6 +86,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "turn with --env: 4)")
     parser.add_argument("--async", dest="async_rollouts", action="store_true", help="overlap rollouts with "
                         "training (max_staleness 1, a worker with its own copy of the weights)")
+    parser.add_argument("--dynamic", action="store_true", help="dynamic sampling (zero-variance groups replaced, "
+                        "2x over-sampling) with partial rollouts carried across steps (a worker with its own copy of "
+                        "the weights)")
     parser.add_argument("--env", choices=sorted(ENVS), default=None, help="train on multi-turn episodes of this "
                         "environment instead of the single-turn task")
     parser.add_argument("--rewrite", action="store_true", help="with --env recall: turn 2 restarts from a "
@@ -84,14 +99,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.rewrite and args.env != "recall":
         parser.error("--rewrite needs --env recall: it is the recall task under a history-rewriting template")
-    if args.async_rollouts and args.lora:
-        parser.error("--async with --lora is not supported: the asynchronous demo's worker loads the base checkpoint, "
-                     "without the adapters. Fix: use one of the two")
+    if (args.async_rollouts or args.dynamic) and args.lora:
+        parser.error("--async or --dynamic with --lora is not supported: that demo's worker loads the base "
+                     "checkpoint, without the adapters. Fix: drop --lora")
+    if args.async_rollouts and args.dynamic:
+        parser.error("--async with --dynamic is not supported: --dynamic carries partial rollouts across steps "
+                     "instead. Fix: use one of the two")
     defaults = dict(steps=300, lr=3e-3, generations=16, max_new_tokens=4) if args.env else \
         dict(steps=40, lr=LORA_LR if args.lora else 5e-3, generations=8, max_new_tokens=16)
+    if args.dynamic:  # converged by then: all-equal rewards again, so each later step searches long for signal
+        defaults["steps"] = 20
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.tensorboard is None:
+        args.tensorboard = str(Path(args.out) / "tensorboard")
     if args.steps < 1:
         parser.error(f"--steps={args.steps} is invalid: run at least 1 step")
     return args
@@ -120,7 +142,8 @@ def target_reward(target_id: int):
     return reward
 
 
-def save_plot(rewards: list[float], path: str, title: str, blind: float | None = None) -> None:
+def save_plot(rewards: list[float], path: str, title: str, blind: float | None = None,
+              zero_variance: list[float] | None = None) -> None:
     try:
         import matplotlib
     except ImportError as exc:
@@ -131,18 +154,39 @@ def save_plot(rewards: list[float], path: str, title: str, blind: float | None =
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, len(rewards) + 1), rewards, marker="o", markersize=3)
+    ax.plot(range(1, len(rewards) + 1), rewards, marker="o", markersize=3, label="mean reward")
+    if zero_variance is not None:
+        ax.plot(range(1, len(zero_variance) + 1), zero_variance, marker="s", markersize=3, color="tab:orange",
+                label="zero-variance groups (fraction)")
     if blind is not None:
         ax.axhline(blind, color="grey", linestyle="--", label="best policy blind to observations")
+    if blind is not None or zero_variance is not None:
         ax.legend(loc="upper left")
     ax.set_xlabel("GRPO step")
-    ax.set_ylabel("mean reward")
+    ax.set_ylabel("mean reward" if zero_variance is None else "reward / fraction")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def open_tracker(args: argparse.Namespace):
+    """(accelerate's Accelerator logging to TensorBoard under args.tensorboard/<run>, that run's directory), or
+    (None, None) when skipped or when accelerate / tensorboard are not installed (said once)."""
+    if not args.tensorboard:
+        return None, None
+    from .tracking import make_tracker, tracker_missing
+
+    missing = tracker_missing("tensorboard")
+    if missing:
+        print(f"tensorboard: skipped ({missing}). Fix: pip install 'rollout[dev]'", file=sys.stderr)
+        return None, None
+    run = f"{args.env or 'target'}{'-lora' if args.lora else ''}{'-async' if args.async_rollouts else ''}" \
+          f"-seed{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "plot", "tensorboard")}
+    return make_tracker(args.tensorboard, run, config=config), Path(args.tensorboard) / run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,8 +200,11 @@ def main(argv: list[str] | None = None) -> int:
 
         model = add_lora(model, rank=8, seed=args.seed)
     ref = copy.deepcopy(model).eval().requires_grad_(False)
+    overlapped = args.async_rollouts or args.dynamic
     config = GRPOConfig(num_generations=args.generations, max_new_tokens=args.max_new_tokens, temperature=1.0,
-                        async_rollouts=args.async_rollouts, tis_cap=2.0 if args.async_rollouts else None)
+                        async_rollouts=args.async_rollouts, tis_cap=2.0 if overlapped else None,
+                        dynamic_sampling=args.dynamic, partial_rollouts=args.dynamic,
+                        over_sample=2.0 if args.dynamic else 1.0)
     prompts = make_prompts(tokenizer, args.prompts, args.seed)
     if args.env:
         make_env = RecallRewriteFactory(tokenizer, args.seed, prompts) if args.rewrite else \
@@ -171,37 +218,53 @@ def main(argv: list[str] | None = None) -> int:
         task = f"reward = fraction of tokens that are {TARGET!r}"
     if args.async_rollouts:
         task += "; asynchronous rollouts (max staleness 1)"
+    if args.dynamic:
+        task += "; dynamic sampling with partial rollouts (over-sampling 2x, max staleness 1)"
     if args.lora:
         task += "; rank-8 LoRA adapters on a frozen base"
     print(f"demo: GRPO on a tiny {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter policy, {task}; "
           f"{args.steps} steps x {args.prompts} prompts x {args.generations} samples, lr {args.lr}, seed {args.seed}",
           flush=True)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
-    rewards = []
-    source = out / "model" if args.async_rollouts else model  # async: the worker holds its own copy
+    rewards, zero_variance = [], []
+    source = out / "model" if overlapped else model  # rollouts running while it trains: the worker's own copy
+    tracker, run_dir = open_tracker(args)
     with RolloutWorker(source, WorkerConfig(seed=args.seed), tokenizer=tokenizer) as worker, \
             open(out / "metrics.jsonl", "w") as log:
-        trainer = GRPOTrainer(model, optimizer, reward_fn, prompts, worker,
-                              config, ref_model=ref, episodes=episodes)
+        trainer = GRPOTrainer(model, optimizer, reward_fn, prompts, worker, config, ref_model=ref, episodes=episodes,
+                              tracker=tracker)
         for step in range(args.steps):
             if make_env is not None:
                 make_env.step = step  # a new secret per step
             metrics = trainer.step()
             rewards.append(metrics["reward_mean"])
+            zero_variance.append(metrics["zero_variance_frac"])
             log.write(json.dumps(metrics) + "\n")
             print(format_metrics(metrics), flush=True)
         trainer.close()
-    tail = rewards[-max(3, len(rewards) // 10):]  # the last tenth of the run (at least 3 steps)
-    first, last = rewards[0], sum(tail) / len(tail)
+    if tracker is not None:
+        tracker.end_training()  # flushes the event files
+        print(f"tensorboard: {run_dir} (view: tensorboard --logdir {args.tensorboard})")
     if args.plot:
         title = f"GRPO on {args.env} episodes" if args.env else "GRPO through a shared RolloutWorker"
         title += " (rewritten history)" if args.rewrite else ""
-        save_plot(rewards, args.plot, f"{title} (seed {args.seed})", BLIND_CEILING if args.env else None)
+        if args.dynamic:
+            title = "GRPO with dynamic sampling and partial rollouts"
+        save_plot(rewards, args.plot, f"{title} (seed {args.seed})", BLIND_CEILING if args.env else None,
+                  zero_variance if args.dynamic else None)
         print(f"plot: {args.plot}")
     print(f"wall time: {time.perf_counter() - start:.1f}s")
-    print(f"reward: {first:.3f} -> {last:.3f}")
-    if last - first < args.min_gain:
-        print(f"FAILED: the reward rose by {last - first:.3f} < {args.min_gain}", file=sys.stderr)
+    return reward_verdict(rewards, args.min_gain)
+
+
+def reward_verdict(rewards: list[float], min_gain: float, note: str = "") -> int:
+    """Prints `reward: <first> -> <last>` (the first step; the mean of the last tenth of the run, at least 3 steps)
+    and returns the exit code: 1, with the shortfall on stderr, unless the reward rose by `min_gain`."""
+    tail = rewards[-max(3, len(rewards) // 10):]
+    first, last = rewards[0], sum(tail) / len(tail)
+    print(f"reward: {first:.3f} -> {last:.3f}{note}")
+    if last - first < min_gain:
+        print(f"FAILED: the reward rose by {last - first:.3f} < {min_gain}", file=sys.stderr)
         return 1
     return 0
 

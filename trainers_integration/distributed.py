@@ -192,6 +192,10 @@ class MainProcessRollouts:
     def weights_fingerprint(self) -> str:
         return self._from_rank0(lambda: self.backend.weights_fingerprint())
 
+    def metrics(self) -> Any:
+        """Rank 0's backend's metrics, on every rank (collective, like generate)."""
+        return self._from_rank0(lambda: self.backend.metrics())
+
     def close(self) -> None:
         if self.backend is not None:
             self.backend.close()

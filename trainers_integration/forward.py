@@ -8,9 +8,12 @@ temperature T: exactly what `RolloutBatch.logprobs` records, so for a shared in-
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
+
+from rollout import replay_routing
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,16 @@ def pack(prompt_ids: list[list[int]], completion_ids: torch.Tensor, mask: torch.
     index = (prompt_lengths[:, None] - 1 + torch.arange(completion_ids.shape[1])[None, :]).clamp(max=width - 1)
     return Packed(input_ids.to(device), attention_mask.to(device), index.to(device), completion_ids.to(device),
                   mask.to(device))
+
+
+def replayed(model: torch.nn.Module, batch, rows: slice, on: bool):
+    """`rollout.replay_routing` over the rows of one micro-batch when `on` (the config's `routing_replay`)."""
+    if not on:
+        return contextlib.nullcontext()
+    if batch.routing is None:
+        raise ValueError("routing_replay=True needs rollouts that recorded routing, but the batch has none. Fix: build "
+                         "the rollout side with WorkerConfig(record_routing=True), or set routing_replay=False.")
+    return replay_routing(model, batch, rows=rows)
 
 
 def completion_logprobs(model: torch.nn.Module, packed: Packed, temperature: float = 1.0,

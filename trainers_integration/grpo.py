@@ -20,7 +20,10 @@ Contract of one step:
 
 Logged per step: reward mean/std, KL to the reference (when given), clip fraction, rollout tokens/s, rollout /
 train / refresh seconds, and the behaviour/proximal logprob gap on the first epoch (`logprob_gap_*`: ~1e-6 for a
-synchronous loop, larger as asynchronous batches grow stale), staleness and dropped batches.
+synchronous loop, larger as asynchronous batches grow stale), split by the tokens' versions (`offpolicy/gap_current`
+for tokens of the weights the trainer holds: numerics alone; `offpolicy/gap_stale` for older ones), staleness and
+dropped batches, the share of zero-variance groups (`zero_variance_groups`), and the rollout side's metrics
+(`rollout/...`, docs/observability.md); with `tracker=accelerator`, all of it through accelerate's trackers.
 """
 
 from __future__ import annotations
@@ -33,12 +36,14 @@ from typing import Any
 import torch
 
 from rollout import EpisodeSpec, RolloutBatch, Rollouts
+from rollout.errors import invalid
 
 from . import losses
 from .config import RolloutTrainerConfig
-from .forward import completion_logprobs, pack
+from .forward import completion_logprobs, pack, replayed
 from .loop import RolloutLoop
 from .rollouts import logprob_gap, pad_token_id
+from .tracking import offpolicy_split
 
 RewardFn = Callable[[RolloutBatch], Any]
 
@@ -53,6 +58,14 @@ class GRPOConfig(RolloutTrainerConfig):
         several rows, its segments, weighs what one completion weighs).
     scale_rewards: divide group-centred rewards by the group std (False: Dr. GRPO).
     tis_cap: None, or the cap of truncated importance sampling against the rollout's logprobs.
+    dynamic_sampling: DAPO's filter: a group whose rewards are all equal (zero advantage) is dropped and another
+        prompt generated instead, so every step trains on as many groups as its prompt list holds
+        (`rollout.RolloutCollector` with accept=nonzero_std; metric `zero_variance_frac`).
+    over_sample: groups kept in flight per group still wanted (>= 1; with dynamic_sampling or partial_rollouts).
+    partial_rollouts: groups unfinished when a step's batch is complete keep generating and join a later step; the
+        weights pushed after each step land on them under `in_flight` ("recompute": every token exact under the
+        version that produced it), and no batch holds a token more than `max_staleness` versions old. The rollout
+        side must hold its own weights (a RolloutWorker on a checkpoint, or a fleet); use tis_cap as with async.
     """
 
     num_generations: int = 8
@@ -61,9 +74,29 @@ class GRPOConfig(RolloutTrainerConfig):
     loss_norm: str = "token"
     scale_rewards: bool = True
     tis_cap: float | None = None
+    dynamic_sampling: bool = False
+    over_sample: float = 1.0
+    partial_rollouts: bool = False
+
+    @property
+    def uses_collector(self) -> bool:
+        return self.dynamic_sampling or self.partial_rollouts
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        for name in ("dynamic_sampling", "partial_rollouts"):
+            if not isinstance(getattr(self, name), bool):
+                raise invalid(name, getattr(self, name), "must be a bool", "use True or False")
+        if isinstance(self.over_sample, bool) or not isinstance(self.over_sample, (int, float)) or \
+                not math.isfinite(self.over_sample) or self.over_sample < 1:
+            raise invalid("over_sample", self.over_sample, "must be a number >= 1", "use 1.0, or e.g. 1.5")
+        if self.over_sample != 1 and not self.uses_collector:
+            raise invalid("over_sample", self.over_sample, "only applies with dynamic_sampling or partial_rollouts",
+                          "set dynamic_sampling=True or partial_rollouts=True, or leave over_sample=1.0")
+        if self.uses_collector and self.async_rollouts:
+            raise invalid("async_rollouts", True, "cannot be combined with dynamic_sampling or partial_rollouts "
+                          "(they schedule rollouts differently)", "use partial_rollouts=True for overlap with "
+                          "dynamic sampling, or async_rollouts alone")
         if self.loss_norm not in losses.LOSS_NORMS:
             raise ValueError(f"loss_norm={self.loss_norm!r} is invalid: must be one of {losses.LOSS_NORMS}. Fix: "
                              "pick one of those.")
@@ -77,6 +110,7 @@ class GRPOTrainer(RolloutLoop):
     model: the policy being trained; optimizer: over its parameters; reward_fn(batch) -> R floats;
     prompts: `step -> list of prompts` or an iterable of per-step prompt lists (token ids, text, or chat messages);
     ref_model: frozen reference for the KL (scored through `rollout.score`);
+    tracker: where each step's metrics are logged (`accelerator` built with `log_with=...`; see tracking.py);
     episodes: multi-turn episodes (`rollout.EpisodeSpec(make_env, max_turns=...)`): every sample is an episode, the
     loss covers the model's tokens only (`batch.action_mask`), and reward_fn may be None to train on the
     environments' own rewards (`batch.rewards`).
@@ -84,14 +118,14 @@ class GRPOTrainer(RolloutLoop):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, reward_fn: RewardFn | None, prompts,
                  rollouts: Rollouts, config: GRPOConfig | None = None, ref_model: torch.nn.Module | None = None,
-                 episodes: EpisodeSpec | None = None) -> None:
+                 episodes: EpisodeSpec | None = None, tracker: Any = None) -> None:
         self.model, self.optimizer, self.reward_fn, self.rollouts = model, optimizer, reward_fn, rollouts
         self.config = config if config is not None else GRPOConfig()
         self.ref_model = ref_model
         if self.config.beta and ref_model is None:
             raise ValueError(f"beta={self.config.beta} needs a reference model. Fix: pass ref_model=... (e.g. a "
                              "frozen copy of the initial policy) or use beta=0.")
-        self._start_loop(prompts, episodes)
+        self._start_loop(prompts, episodes, tracker)
 
     def _update(self, batch: RolloutBatch, rewards: torch.Tensor, ref: torch.Tensor | None) -> dict[str, float]:
         cfg, device = self.config, self.device
@@ -117,7 +151,8 @@ class GRPOTrainer(RolloutLoop):
             for rows in chunks:
                 packed = pack(batch.prompt_ids[rows], batch.completion_ids[rows], batch.completion_mask[rows], pad,
                               device)
-                logp, _ = completion_logprobs(self.model, packed, cfg.temperature)
+                with replayed(self.model, batch, rows, cfg.routing_replay):
+                    logp, _ = completion_logprobs(self.model, packed, cfg.temperature)
                 m = mask[rows]
                 if epoch == 0:
                     g_max, g_mean = logprob_gap(logp, rollout_lp[rows], m)
@@ -142,7 +177,8 @@ class GRPOTrainer(RolloutLoop):
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": totals["loss"], "kl": totals["kl"] if ref is not None else float("nan"),
                 "clip_frac": totals["clip"], "grad_norm": totals["grad_norm"], "logprob_gap_max": gap_max,
-                "logprob_gap_mean": gap_sum / max(num_tokens, 1)}  # behaviour vs proximal (the trainer at step start)
+                "logprob_gap_mean": gap_sum / max(num_tokens, 1),  # behaviour vs proximal (the trainer at step start)
+                **offpolicy_split(old_lp, rollout_lp, mask, batch.token_versions, self.step_version)}
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float | None) -> float:
@@ -160,7 +196,8 @@ def format_metrics(m: dict[str, float]) -> str:
     return (f"step {m['step']:3d}  reward {m['reward_mean']:.3f} ± {m['reward_std']:.3f}  kl {kl}  "
             f"clip {m['clip_frac']:.3f}  gap {m['logprob_gap_max']:.1e}  "
             f"rollout {m['rollout_tokens_per_s']:.0f} tok/s ({m['rollout_s']:.2f}s)  "
-            f"train {m['train_s']:.2f}s  refresh {m['refresh_s'] * 1e3:.1f}ms")
+            f"train {m['train_s']:.2f}s  refresh {m['refresh_s'] * 1e3:.1f}ms  "
+            f"zero-var {m['zero_variance_frac']:.2f}")
 
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "clip_grad_norm", "format_metrics"]

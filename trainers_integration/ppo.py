@@ -19,12 +19,13 @@ Contract of one step:
    never leaves the trainer.
 
 Logged per step: as GRPO (reward, KL to the reference, clip fraction, rollout tokens/s and times, logprob gap on
-the first epoch), plus value loss and value clip fraction.
+the first epoch, its off-policy split, the rollout side's metrics), plus value loss and value clip fraction.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,10 +33,11 @@ from rollout import EpisodeSpec, RolloutBatch, Rollouts
 
 from . import losses
 from .config import RolloutTrainerConfig
-from .forward import Packed, completion_logprobs, pack
+from .forward import Packed, completion_logprobs, pack, replayed
 from .loop import RolloutLoop
 from .grpo import RewardFn, clip_grad_norm
 from .rollouts import logprob_gap, pad_token_id
+from .tracking import offpolicy_split
 from .value import ValueHead
 
 
@@ -71,17 +73,19 @@ class PPOConfig(RolloutTrainerConfig):
 class PPOTrainer(RolloutLoop):
     """PPO over a `rollouts` object. value_model: a `ValueHead` on the policy's hidden states, or a critic module
     mapping a `Packed` batch to (R, T) values (e.g. `CriticModel`). The optimizer must cover the policy and the
-    value model. `episodes` as in GRPOTrainer: GAE runs over the model's tokens, observations skipped."""
+    value model. `episodes` as in GRPOTrainer: GAE runs over the model's tokens, observations skipped. `tracker` as
+    in GRPOTrainer: where each step's metrics are logged."""
 
     def __init__(self, model: torch.nn.Module, value_model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  reward_fn: RewardFn | None, prompts, rollouts: Rollouts, config: PPOConfig | None = None,
-                 ref_model: torch.nn.Module | None = None, episodes: EpisodeSpec | None = None) -> None:
+                 ref_model: torch.nn.Module | None = None, episodes: EpisodeSpec | None = None,
+                 tracker: Any = None) -> None:
         self.model, self.value_model, self.optimizer = model, value_model, optimizer
         self.reward_fn, self.rollouts = reward_fn, rollouts
         self.config = config if config is not None else PPOConfig()
         self.ref_model = ref_model
         self._check_optimizer()
-        self._start_loop(prompts, episodes)
+        self._start_loop(prompts, episodes, tracker)
 
     def _check_optimizer(self) -> None:
         covered = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
@@ -111,7 +115,11 @@ class PPOTrainer(RolloutLoop):
         self.model.eval()
         self.value_model.eval()
         with torch.no_grad():
-            old_values = torch.cat([self._old_values(p) for _, p in packs])
+            old_values = []
+            for rows, packed in packs:
+                with replayed(self.model, batch, rows, cfg.routing_replay):
+                    old_values.append(self._old_values(packed))
+            old_values = torch.cat(old_values)
         rewards = self._token_rewards(batch, scores.to(device), rollout_lp, ref, mask)
         advantages, returns = losses.gae_over_episodes(rewards, old_values, mask, batch.episode_index.to(device),
                                                        cfg.gamma, cfg.lam)
@@ -119,16 +127,19 @@ class PPOTrainer(RolloutLoop):
             advantages = losses.masked_whiten(advantages, mask)
         totals = dict(loss=0.0, pg_loss=0.0, value_loss=0.0, clip=0.0, vclip=0.0, grad_norm=0.0)
         gap_max, gap_sum = 0.0, 0.0
+        first_lp = torch.zeros_like(rollout_lp)  # the trainer's logprobs at the start of the step (epoch 0)
         self.model.train()
         self.value_model.train()
         for epoch in range(cfg.num_epochs):
             self.optimizer.zero_grad(set_to_none=True)
             for rows, packed in packs:
-                logp, values = self._forward(packed)
+                with replayed(self.model, batch, rows, cfg.routing_replay):
+                    logp, values = self._forward(packed)
                 m = mask[rows]
                 if epoch == 0:
                     g_max, g_mean = logprob_gap(logp, rollout_lp[rows], m)
                     gap_max, gap_sum = max(gap_max, g_max), gap_sum + g_mean * int(m.sum())
+                    first_lp[rows] = logp.detach()
                 pg, clipped = losses.clipped_policy_loss(logp, rollout_lp[rows], advantages[rows], cfg.clip_low,
                                                          cfg.clip_high)
                 vf, vclipped = losses.clipped_value_loss(values, old_values[rows], returns[rows], cfg.value_clip)
@@ -149,7 +160,8 @@ class PPOTrainer(RolloutLoop):
         return {"loss": totals["loss"], "pg_loss": totals["pg_loss"], "value_loss": totals["value_loss"],
                 "kl": kl, "clip_frac": totals["clip"], "value_clip_frac": totals["vclip"],
                 "grad_norm": totals["grad_norm"], "value_mean": float(losses.masked_mean(old_values, mask)),
-                "logprob_gap_max": gap_max, "logprob_gap_mean": gap_sum / max(num_tokens, 1)}
+                "logprob_gap_max": gap_max, "logprob_gap_mean": gap_sum / max(num_tokens, 1),
+                **offpolicy_split(first_lp, rollout_lp, mask, batch.token_versions, self.step_version)}
 
     def _token_rewards(self, batch: RolloutBatch, scores: torch.Tensor, rollout_lp: torch.Tensor,
                        ref: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:

@@ -10,13 +10,15 @@ the same PeftModel). The policy may be wrapped (DDP's `.module`); a rollouts obj
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
 from rollout import EpisodeSpec, RolloutBatch, Rollouts, adapters
+from rollout import PromptsExhausted  # an iterable prompt source (or a collector's stream) ran out: `train` stops
 from rollout.loading import pad_token_id as tokenizer_pad_id
 
 
@@ -123,8 +125,23 @@ def logprob_gap(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
     return float(gap.max()), float(gap.mean())
 
 
-class PromptsExhausted(Exception):
-    """The iterable prompt source has no more prompt lists; `train` stops there."""
+def flat_prompts(prompts: Callable[[int], Any]) -> tuple[int, Iterator[Any]]:
+    """(the size of a step's prompt list, every prompt of step 0, 1, 2, ... one after another), for a collector:
+    step 0's list is read now, the rest lazily, until the source raises PromptsExhausted."""
+    first = list(prompts(0))
+    if not first:
+        raise ValueError("the prompt list of step 0 is empty. Fix: give each step at least one prompt.")
+
+    def stream() -> Iterator[Any]:
+        yield from first
+        for step in itertools.count(1):
+            try:
+                batch = prompts(step)
+            except PromptsExhausted:
+                return
+            yield from batch
+
+    return len(first), stream()
 
 
 def prompt_stream(prompts: Callable[[int], Any] | Iterable[Any]) -> Callable[[int], Any]:

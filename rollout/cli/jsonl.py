@@ -22,12 +22,14 @@ import os
 import re
 import stat
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 READ_BLOCK = 1 << 20  # bytes read at a time when scanning an existing output
+LIVE_S = 1.0  # how often the progress bar's live status is refreshed
 
 
 class JsonlError(ValueError):
@@ -181,6 +183,7 @@ class Job:
     overwrite: bool = False
     progress: bool = True
     verb: str = "processed"
+    live: Callable[[], str] | None = None  # the progress bar's status, read every LIVE_S (default: tok/s so far)
 
 
 @dataclass
@@ -207,7 +210,7 @@ def run(job: Job, stats: Stats) -> Stats:
         check_resumable(resume, next(records, None), job.src, job.dst)
     total = prevalidate(job, resume.num_rows) if is_regular_file(job.src) else None
     writer = Writer(job.dst, resume.size)
-    process, bar, begin = None, None, time.perf_counter()
+    process, bar, ticker, begin = None, None, None, time.perf_counter()
     try:
         for chunk in chunked(records, job.batch_size):
             for record in chunk:
@@ -215,6 +218,7 @@ def run(job: Job, stats: Stats) -> Stats:
             if process is None:  # load the model only once there is work, and start the clock after it
                 process = job.start()
                 bar, begin = _bar(job, total, resume.num_rows), time.perf_counter()
+                ticker = Ticker(bar, job.live) if job.live is not None and job.progress else None
             try:
                 rows, tokens = process(chunk)
             except ValueError as e:  # a model check failed on one line: keep every row before it, then stop
@@ -222,8 +226,10 @@ def run(job: Job, stats: Stats) -> Stats:
                 if bad:
                     _commit(writer, stats, bar, begin, *process(chunk[:bad]))
                 raise error from None
-            _commit(writer, stats, bar, begin, rows, tokens)
+            _commit(writer, stats, bar, begin, rows, tokens, live=ticker is not None)
     finally:
+        if ticker is not None:
+            ticker.stop()
         if bar is not None:
             bar.close()
         writer.close()
@@ -263,13 +269,37 @@ def locate(error: ValueError, chunk: list[Record], path: str) -> tuple[int, Json
     return index, JsonlError(path, record.line, field, text[match.start(2):])
 
 
-def _commit(writer: Writer, stats: Stats, bar, begin: float, rows: list[dict], tokens: int) -> None:
+def _commit(writer: Writer, stats: Stats, bar, begin: float, rows: list[dict], tokens: int,
+            live: bool = False) -> None:
     writer.write(rows)
     stats.num_new += len(rows)
     stats.num_tokens += tokens
     stats.seconds = time.perf_counter() - begin
-    bar.set_postfix_str(f"{stats.num_tokens / max(stats.seconds, 1e-9):.1f} tok/s", refresh=False)
+    if not live:  # else the ticker's live status stands
+        bar.set_postfix_str(f"{stats.num_tokens / max(stats.seconds, 1e-9):.1f} tok/s", refresh=False)
     bar.update(len(rows))
+
+
+class Ticker:
+    """Refreshes the bar's status from `live()` every LIVE_S on a daemon thread, while chunks run (a chunk may take
+    minutes: the bar still moves). A failing `live()` leaves the status as it was."""
+
+    def __init__(self, bar, live: Callable[[], str]) -> None:
+        self.bar, self.live = bar, live
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="rollout-progress")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(LIVE_S):
+            try:
+                self.bar.set_postfix_str(self.live())
+            except Exception:  # noqa: BLE001 - the status is cosmetic; the run goes on
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 def _bar(job: Job, total: int | None, initial: int):

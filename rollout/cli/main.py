@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -64,9 +65,19 @@ def build_generate(args: argparse.Namespace, resources: contextlib.ExitStack) ->
         config = WorkerConfig(max_batch_tokens=args.max_batch_tokens, kv_cache_memory_mb=args.kv_cache_mb)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if args.metrics_port is not None:  # a port in use fails now, before the input is read or the model loaded
+        _metrics_port_free(args)
+    status = LiveStatus()
 
     def start() -> Process:
         backend, tokenizer = _generate_backend(args, config, resources)
+        status.source = backend.metrics
+        if args.metrics_port is not None:
+            try:
+                server = backend.serve_metrics(args.metrics_port, args.metrics_host)
+            except (OSError, ValueError) as e:
+                raise UsageError(f"--metrics-port {args.metrics_port}: {e}") from None
+            print(f"rollout: serving metrics on {server.url}", file=sys.stderr)
 
         def process(chunk: list[Record]) -> tuple[list[dict], int]:
             params = [records.sampling_for(r.data, base, r.index) for r in chunk]
@@ -77,7 +88,7 @@ def build_generate(args: argparse.Namespace, resources: contextlib.ExitStack) ->
         return process
 
     return Job(args.input, args.output, lambda data: records.check_generate(data, base, args.chat_template), start,
-               args.batch_size, args.overwrite, not args.no_progress, "generated")
+               args.batch_size, args.overwrite, not args.no_progress, "generated", status)
 
 
 def build_score(args: argparse.Namespace, resources: contextlib.ExitStack) -> Job:
@@ -117,6 +128,36 @@ def _generate_backend(args: argparse.Namespace, config, resources: contextlib.Ex
         backend = RolloutWorker(args.model, config=config)
     resources.callback(backend.close)
     return backend, backend.tokenizer
+
+
+def _metrics_port_free(args: argparse.Namespace) -> None:
+    from ..prometheus import check_port
+
+    try:
+        check_port(args.metrics_port, args.metrics_host)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--metrics-port {args.metrics_port}: {e}") from None
+
+
+class LiveStatus:
+    """The generate progress bar's status: engine tokens/s since the last read and KV use, from `source()` (a
+    worker's or a fleet's `metrics`, set once the backend is up)."""
+
+    def __init__(self, clock: Any = time.perf_counter) -> None:
+        self.source: Any = None
+        self.clock = clock
+        self._last: tuple[float, int] | None = None
+
+    def __call__(self) -> str:
+        if self.source is None:
+            return ""
+        snapshot = self.source()
+        m = getattr(snapshot, "total", snapshot)  # a fleet's totals
+        now = self.clock()
+        rate = 0.0 if self._last is None else (m.sampled_tokens - self._last[1]) / max(now - self._last[0], 1e-9)
+        self._last = (now, m.sampled_tokens)
+        return (f"{rate:.1f} tok/s, KV {100 * m.kv_cache_usage:.0f}% ({m.kv_pages_used}/{m.kv_pages_total} pages, "
+                f"peak {m.kv_pages_peak})")
 
 
 # ---------------------------------------------------------------------------------------------- shared
@@ -230,6 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-batch-tokens", type=int, default=512, metavar="T", help="engine tokens per step "
                      "(default 512; 2048-8192 on GPU)")
     gen.add_argument("--kv-cache-mb", type=int, default=256, metavar="MB", help="KV cache budget (default 256)")
+    gen.add_argument("--metrics-port", type=int, default=None, metavar="N", help="serve Prometheus metrics on "
+                     "http://HOST:N/metrics while it runs (docs/observability.md; 0 picks a free port)")
+    gen.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST", help="address the metrics endpoint "
+                     "listens on (default 127.0.0.1: this machine only)")
     _common(gen, batch_size=64)
     gen.set_defaults(build=build_generate)
 

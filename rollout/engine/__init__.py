@@ -1,7 +1,7 @@
 """The engine layer: transformers' continuous-batching engine, made exact and unkillable.
 
 Owns everything that touches `transformers.generation.continuous_batching` or transformers' private attributes
-(tests/test_layout.py checks it). May import: torch, transformers, and rollout's leaf modules (`params`, `config`,
+(tests/test_layout.py checks it). May import: torch, transformers, and rollout's leaf modules (`params`, `config`, `moe`,
 `batch`, `errors`, `env`). Knows nothing about tokenizers, Ray or trainers.
 
 One request, hop by hop, from `RolloutWorker.generate` to its row:
@@ -23,6 +23,9 @@ One request, hop by hop, from `RolloutWorker.generate` to its row:
    every unfinished sample re-runs (up to `max_retries`); weight changes go through `Engine.exclusive`, which
    drains or aborts in-flight work and forgets every prefix-cache hash. `Engine.sleep` drops the manager (cache and
    buffers) for a trainer sharing the device; the next call builds a fresh one.
+7. count (`counters.py`): along the way the engine counts what `RolloutWorker.metrics()` reports (tokens sampled
+   per step, rows as they finish, the KV peak after scheduling, soft resets through `preemption.py`, weight
+   switches in `Engine.exclusive`), in one object kept across restarts and sleeps.
 """
 
 from .attention import (current_attn_implementation, resolve_attn_implementation,  # also registers "rollout_paged"

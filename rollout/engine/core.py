@@ -33,14 +33,18 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 
 from ..batch import Row
 from ..config import WorkerConfig, check_in_flight
+from ..moe import Routing, find_routers
 from ..params import SamplingParams
 from . import memory  # noqa: F401  (patches upstream's memory plan for rollout_paged)
 from .blocktable import RolloutCache  # also keeps upstream's decode fast path on for rollout_paged
 from . import switch
 from .call import Call, Sample
+from .counters import Counters, kv_pages
 from .ledger import Ledger
 from . import cuda, linear, sizing
 from .manager import RolloutManager
+from .preemption import RolloutOffloading
+from .recorder import RoutingHole, RoutingRecorder
 from .router import RolloutRouter
 from .runner import RolloutIOs, RolloutModelRunner, RowSlotArgs
 from .sampler import RowSpec
@@ -85,9 +89,13 @@ class Engine:
         self._closed = False
         self.num_prompt_tokens = 0  # every engine request's prompt tokens, and those served by the prefix cache
         self.num_reused_tokens = 0
+        self.counters = Counters()  # the rest of what metrics() reports; kept across restarts and sleeps
         self._stepper = Stepper(config.env_threads)
         self._call_index = itertools.count()  # keys the random streams of a call's unseeded samples
         self.trace: TurnTrace | None = None  # set one to time episodes' turns (trace.py); None records nothing
+        # the MoE routers whose choices are recorded (WorkerConfig.record_routing; an unknown router fails here)
+        self._routers = find_routers(model) if self.config.record_routing else None
+        self._recorder: RoutingRecorder | None = None
         self._blocked = linear.blocked(model)  # wide linear layers in column blocks on the engine thread (linear.py)
         try:
             self._manager = self._build_manager()
@@ -101,7 +109,7 @@ class Engine:
     def _build_manager(self) -> ContinuousBatchingManager:
         gen_config = GenerationConfig(do_sample=False, max_new_tokens=None, eos_token_id=None)
         blocks = sizing.num_blocks(self.config, self.model)
-        graphs = cuda.captures(self.model, self.config)
+        graphs = cuda.captures(self.model, self.config) and self._routers is None  # a replayed graph runs no hooks
         cb_config = ContinuousBatchingConfig(
             page_size=self.config.page_size, num_blocks=blocks,
             max_batch_tokens=self.config.max_batch_tokens, max_requests_per_batch=self.config.max_requests_per_batch,
@@ -117,15 +125,34 @@ class Engine:
         manager.batch_processor = manager._create_batch_processor()
         manager.batch_processor.scheduler.on_prefix_hit = self._on_prefix_hit
         RolloutCache.adopt(manager.batch_processor.cache)
+        manager.batch_processor.scheduler.on_split = self._on_split
+        manager.batch_processor.scheduler.on_schedule = self.counters.kv_step
+        RolloutOffloading.adopt(manager.batch_processor.offloading_manager, self.counters.preempted)
         RolloutModelRunner.adopt(manager.batch_processor.model_runner)
         RolloutIOs.adopt(manager.batch_processor.inputs_and_outputs, self._record)
         table.stream = manager.batch_processor.inputs_and_outputs.compute_stream
         self.max_request_tokens = infer_max_single_request_tokens(manager.batch_processor.cache)
         self.model.train(was_training)
+        self._record_routing(manager)
         sizing.check_request_fits(self.config, self.model, manager.batch_processor.cache.num_blocks,
                                   self.max_request_tokens)  # before the thread starts: nothing to stop
         self._start(manager)
         return manager
+
+    def _record_routing(self, manager: ContinuousBatchingManager) -> None:
+        """A fresh recorder for this manager (the previous one's hooks removed), when recording routing."""
+        self._stop_recording()
+        if self._routers is not None:
+            processor = manager.batch_processor
+            # the prefix index keeps the routing of up to twice the cache's tokens (a few bytes per token)
+            self._recorder = RoutingRecorder(self.model, self._routers, self.config.page_size,
+                                             2 * processor.cache.num_blocks * self.config.page_size)
+            self._recorder.attach(processor.cache, processor.inputs_and_outputs)
+
+    def _stop_recording(self) -> None:
+        if self._recorder is not None:
+            self._recorder.remove()
+            self._recorder = None
 
     @staticmethod
     def _start(manager: ContinuousBatchingManager) -> None:
@@ -159,7 +186,9 @@ class Engine:
                 manager, self._manager = self._manager, None
             if manager is not None:
                 manager.stop(block=True, timeout=30)  # joins the thread, drops the batch processor
+                self.counters.slept()
                 del manager
+                self._stop_recording()
                 release_memory()
         finally:
             with self._cond:
@@ -185,6 +214,7 @@ class Engine:
         manager, self._manager = self._manager, None
         if manager is not None and manager._generation_thread is not None:
             manager.stop(block=True, timeout=30)
+        self._stop_recording()
         linear.restore(self._blocked)
 
     def _restart(self) -> None:
@@ -221,6 +251,7 @@ class Engine:
     def _record(self, request_ids: list[str], values: list[float]) -> None:
         # the version changes only inside a pause of the loop, so it is the one whose weights ran this step
         self._ledger.record(request_ids, values, self.version)
+        self.counters.sampled(len(request_ids))
         trace = self.trace
         if trace is not None:
             trace.sampled(request_ids, time.perf_counter())
@@ -231,29 +262,65 @@ class Engine:
             trace.step(start, end)
 
     def _on_output(self, output: GenerationOutput) -> None:
+        if output.error is None and output.status != RequestStatus.FINISHED and self._on_progress(output):
+            return
         with self._cond:
             sample = self._pending.pop(output.request_id, None)
             sampling, versions = self._ledger.pop(output.request_id)
             if sample is None:  # cancelled by an abort fence, or already re-run
+                if self._recorder is not None:
+                    self._recorder.drop(output.request_id)
                 return
-            if output.status == RequestStatus.FINISHED and output.error is None:
+            routing, error = self._take_routing(sample, output)
+            if output.status == RequestStatus.FINISHED and output.error is None and error is None:
                 if sample.episode is None:
-                    sample.row = self._make_row(sample, output, sampling, versions)
+                    sample.call.finish(sample, self._make_row(sample, output, sampling, versions, routing))
                 else:
-                    self._step(sample, output, sampling, versions)
+                    self._step(sample, output, sampling, versions, routing)
             else:
-                sample.error = output.error or f"request ended with status {output.status!r}"
+                sample.error = output.error or error or f"request ended with status {output.status!r}"
                 self._rerun.append(sample)
             self._cond.notify_all()
 
-    def _make_row(self, sample: Sample, output: GenerationOutput, sampling: list[float], versions: list[int]) -> Row:
+    def _on_progress(self, output: GenerationOutput) -> bool:
+        """A streamed request's tokens so far (engine thread, after each of its steps): handed to its call's
+        `on_tokens`. False when the output is not a streamed one's progress (it is then handled as an output)."""
+        with self._cond:
+            sample = self._pending.get(output.request_id)
+            if sample is None or sample.call.on_tokens is None:
+                return sample is None  # a cancelled request's last progress is dropped
+            versions = list(self._ledger.versions.get(output.request_id, ()))
+        tokens, logprobs = output.generated_tokens, output.logprobs
+        count = min(len(tokens), len(logprobs), len(versions))
+        sample.call.on_tokens(sample, tokens[:count], logprobs[:count], versions[:count])
+        return True
+
+    def _take_routing(self, sample: Sample, output: GenerationOutput) -> tuple[Routing | None, str | None]:
+        """The request's recorded routing for every position it fed (prompt and completion but the last token), or
+        why it has a hole (the request then re-runs)."""
+        if self._recorder is None:
+            return None, None
+        if output.status != RequestStatus.FINISHED or output.error is not None:
+            self._recorder.drop(output.request_id)
+            return None, None
+        num_positions = len(sample.context()) + len(output.generated_tokens) - 1
+        try:
+            experts = self._recorder.take(output.request_id, num_positions)
+        except RoutingHole as hole:
+            return None, str(hole)
+        first = self._routers[0]
+        return Routing(tuple(r.name for r in self._routers), first.num_experts, first.top_k, (experts,)), None
+
+    def _make_row(self, sample: Sample, output: GenerationOutput, sampling: list[float], versions: list[int],
+                  routing: Routing | None = None) -> Row:
         tokens = list(output.generated_tokens)
         _check_logprobs(tokens, output.logprobs, sampling, versions)
         finish = "stop" if tokens and tokens[-1] in sample.stop_ids else "length"
         versions = versions[: len(tokens)]
+        self.counters.row(finish, versions, self.version)
         return Row(sample.prompt_index, sample.sample_index, sample.prompt_ids, tokens, list(output.logprobs),
                    sampling[: len(tokens)], finish, min(versions), prompt_tokens=sample.prompt_tokens,
-                   reused_tokens=sample.reused_tokens, token_versions=versions)
+                   reused_tokens=sample.reused_tokens, token_versions=versions, routing=routing)
 
     def _on_prefix_hit(self, request_id: str, num_tokens: int) -> None:
         with self._cond:
@@ -262,26 +329,37 @@ class Engine:
             if sample is not None:
                 sample.reused_tokens += num_tokens
 
+    def _on_split(self, request_id: str, num_tokens: int) -> None:
+        with self._cond:
+            self.num_prompt_tokens += num_tokens
+            sample = self._pending.get(request_id)
+            if sample is not None:
+                sample.prompt_tokens += num_tokens
+
     # ------------------------------------------------------------------ episodes
-    def _step(self, sample: Sample, output: GenerationOutput, sampling: list[float], versions: list[int]) -> None:
+    def _step(self, sample: Sample, output: GenerationOutput, sampling: list[float], versions: list[int],
+              routing: Routing | None = None) -> None:
         """A model turn of an episode finished (engine thread, lock held): record it and start its environment
         step off this thread."""
         tokens = list(output.generated_tokens)
         _check_logprobs(tokens, output.logprobs, sampling, versions)
         episode = sample.episode
         episode.add_turn(tokens, list(output.logprobs), sampling[: len(tokens)], versions[: len(tokens)])
+        episode.segment.routing = routing  # the last turn's request fed every position of its segment so far
         self._stepping.add(sample)
         epoch = episode.epoch
         self._stepper.step(episode, sample.prompt_index, sample.sample_index, episode.timeout,
-                           lambda turn, error: self._on_step(sample, epoch, turn, error))
+                           lambda turn, error, seconds: self._on_step(sample, epoch, turn, error, seconds))
 
-    def _on_step(self, sample: Sample, epoch: int, turn, error: BaseException | None) -> None:
-        """An environment step returned (stepper thread): submit the episode's next turn, or end it."""
+    def _on_step(self, sample: Sample, epoch: int, turn, error: BaseException | None, seconds: float) -> None:
+        """An environment step returned after `seconds` (stepper thread): submit the episode's next turn, or end
+        it."""
         ready = time.perf_counter()
         with self._cond:
             episode = sample.episode
             if episode.epoch != epoch or sample not in self._stepping:  # reset or abandoned meanwhile
                 return
+            self.counters.env_step(seconds, error is not None)
             self._stepping.discard(sample)
             if sample.call.is_over():  # cancelled or failed meanwhile
                 self._stepper.close_env(episode.env)
@@ -295,8 +373,11 @@ class Engine:
     def _end_episode(self, sample: Sample) -> None:
         episode = sample.episode
         self._stepper.close_env(episode.env)
-        *sample.segment_rows, sample.row = episode.rows(sample.prompt_index, sample.sample_index,
-                                                        sample.prompt_tokens, sample.reused_tokens)
+        *sample.segment_rows, last = episode.rows(sample.prompt_index, sample.sample_index,
+                                                  sample.prompt_tokens, sample.reused_tokens)
+        self.counters.episode(episode.finish_reason, [v for seg in episode.segments for v in seg.token_versions],
+                              self.version, episode.num_turns, rows=len(episode.segments))
+        sample.call.finish(sample, last)
 
     # ------------------------------------------------------------------ submission and waiting
     def submit(self, samples_by_prompt: list[list[Sample]], call: Call) -> None:
@@ -315,6 +396,8 @@ class Engine:
     def cancel(self, call: Call) -> None:
         """Cancel what is left of a call (nothing of it keeps running) and settle it."""
         with self._cond:
+            if not call.cancelled and not call.is_over():
+                call.discarded_tokens = self._sampled_tokens(call, self._requests_of(call))
             call.cancelled = True
             self._release(call)
             self._cond.notify_all()
@@ -341,7 +424,7 @@ class Engine:
                 if call.on_over is not None:
                     call.on_over(call)
             finally:
-                call.settled.set()
+                call.settle()
 
     def _submit(self, group: list[Sample], ready: float | None = None) -> None:
         """Submit samples of one prompt as one engine request whose children are the other samples (called with
@@ -357,7 +440,8 @@ class Engine:
         self.num_prompt_tokens += len(context)
         head.prompt_tokens += len(context)
         state = RequestState(request_id=request_id, initial_tokens=list(context), num_children=len(group) - 1,
-                             max_new_tokens=head.budget(), eos_token_id=list(head.stop_ids))
+                             max_new_tokens=head.budget(), eos_token_id=list(head.stop_ids),
+                             streaming=head.call.on_tokens is not None)  # upstream delivers every step's progress
         if ready is not None and self.trace is not None:
             self.trace.ready(request_id, ready)
         self._manager.input_queue.put(state)
@@ -394,11 +478,31 @@ class Engine:
             if sample.episode is not None and sample.row is None:  # an ended episode closed its own
                 self._stepper.close_env(sample.episode.env)
                 sample.episode.env = None
-        cancelled = [request_id for request_id, sample in self._pending.items() if sample.call is call]
+        cancelled = self._requests_of(call)
         for request_id in cancelled:
             self._pending.pop(request_id)
             self._manager.cancel_request(request_id)
+            if self._recorder is not None:
+                self._recorder.drop(request_id)
         self._ledger.drop(cancelled)
+
+    def _requests_of(self, call: Call) -> list[str]:
+        return [request_id for request_id, sample in self._pending.items() if sample.call is call]
+
+    def _sampled_tokens(self, call: Call, request_ids: list[str]) -> int:
+        """Model tokens sampled so far for the samples of `call` whose group is not complete: finished rows, earlier
+        turns of episodes, and what its live engine requests sampled (lock held)."""
+        complete = set(call.completed)
+        total = sum(len(self._ledger.sampling.get(request_id, ())) for request_id in request_ids)
+        for sample in call.samples:
+            if sample.prompt_index in complete:
+                continue
+            if sample.row is not None:
+                total += sum(sum(row.action_mask) if row.action_mask is not None else len(row.completion_ids)
+                             for row in sample.rows())
+            elif sample.episode is not None:
+                total += sum(sum(seg.action_mask) for seg in sample.episode.segments)
+        return total
 
     # ------------------------------------------------------------------ weight-change fence
     @contextlib.contextmanager
@@ -414,6 +518,7 @@ class Engine:
         with self._cond:
             self._cond.wait_for(lambda: not self._updating)
             self._updating = True
+        fenced, recomputed = time.perf_counter(), 0
         aborted: list[Sample] = []
         try:
             if mode == "wait":
@@ -425,11 +530,19 @@ class Engine:
                     self._restart()
             # asleep: no loop to pause and no cached KV to forget (waking builds an empty cache)
             with self._manager.pause() if self._manager is not None else contextlib.nullcontext():
+                paused = time.perf_counter()
                 yield
                 if self._manager is not None and mode == "recompute":
-                    self.num_recomputed += switch.recompute_in_flight(self._manager)
+                    requests, recomputed = switch.recompute_in_flight(self._manager)
+                    self.num_recomputed += requests
                 if self._manager is not None and invalidate:
                     switch.forget_prefix_cache(self._manager)
+                    if self._recorder is not None:
+                        self._recorder.forget()
+            if invalidate:  # a weight change (read-only uses, e.g. scoring, are not counted)
+                now = time.perf_counter()
+                with self._cond:
+                    self.counters.weight_update(mode, now - fenced, now - paused, recomputed)
         finally:
             with self._cond:
                 self._updating = False
@@ -471,9 +584,31 @@ class Engine:
             self.num_aborted += len(aborted)
             return aborted
 
+    def metrics(self) -> tuple[Counters, dict[str, int]]:
+        """A copy of the counters; the engine's own counts (prompt and reused tokens, restarts, aborts, recomputed
+        requests) and what it holds now: version, requests waiting (submitted, not yet scheduled) and running,
+        episodes in an environment step, KV pages (total, used, cached; all 0 while asleep)."""
+        with self._cond:
+            counters, manager = self.counters.copy(), self._manager
+            now = dict(prompt_tokens=self.num_prompt_tokens, prefix_cache_reused_tokens=self.num_reused_tokens,
+                       engine_restarts=self.num_restarts, aborted_samples=self.num_aborted,
+                       recomputed_requests=self.num_recomputed, policy_version=self.version,
+                       sleeping=int(self.is_sleeping), episodes_in_env_step=len(self._stepping), requests_waiting=0,
+                       requests_running=0, kv_pages_total=0, kv_pages_used=0, kv_pages_cached=0)
+        processor = getattr(manager, "batch_processor", None)
+        if processor is not None:  # read without stopping the loop: a page count may be a step old
+            scheduler = processor.scheduler
+            now["requests_waiting"] = manager.input_queue.qsize() + len(scheduler.waiting_requests)
+            now["requests_running"] = len(scheduler.active_requests)
+            total, used, cached = kv_pages(processor.cache)
+            now.update(kv_pages_total=total, kv_pages_used=min(max(used, 0), total), kv_pages_cached=cached)
+        return counters, now
+
     def forget_prefix_cache(self) -> None:
         """No request submitted from now on can match KV computed before (see switch.py)."""
         switch.forget_prefix_cache(self._manager)
+        if self._recorder is not None:
+            self._recorder.forget()
 
 
 def _check_logprobs(tokens: list[int], logprobs: list[float], sampling: list[float], versions: list[int]) -> None:

@@ -34,6 +34,7 @@ class Segment:
     action_mask: list[bool] = field(default_factory=list)
     token_versions: list[int] = field(default_factory=list)  # -1 on observation tokens
     turn_rewards: list[float] = field(default_factory=list)  # a turn's reward on its last model token, 0.0 elsewhere
+    routing: Any = None  # its last model turn's recorded routing (rollout.moe.Routing), when recording
 
     def add(self, tokens: list[int], logprobs: list[float], sampling: list[float], versions: list[int],
             model: bool) -> None:
@@ -132,7 +133,7 @@ class Episode:
                             list(seg.sampling_logprobs), self.finish_reason, version,
                             action_mask=list(seg.action_mask), reward=self.reward, num_turns=self.num_turns,
                             error=self.error, token_versions=list(seg.token_versions), segment_index=index,
-                            turn_rewards=list(seg.turn_rewards), **counts))
+                            turn_rewards=list(seg.turn_rewards), routing=seg.routing, **counts))
         return rows
 
     def reset(self) -> None:

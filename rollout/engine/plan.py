@@ -138,8 +138,7 @@ def _plan_block_table(table: torch.Tensor, live: list[int], starts_q: list[int],
     key and value of a row go to its position key_len - 1."""
     device = table.device
     page = allocator.tokens_per_page
-    count = torch.tensor([-(-n // page) for n in key_lens], device=device)
-    cols = torch.minimum(torch.arange(int(count.max()), device=device)[None, :], count[:, None] - 1)
+    cols = _page_columns(key_lens, page, device)
     pages = table[torch.tensor(live, device=device), : cols.shape[1]].long().gather(1, cols)  # [R, most pages]
     last = torch.tensor(key_lens, device=device) - 1
     write = pages.gather(1, (last // page)[:, None]).squeeze(1) * page + last % page
@@ -186,13 +185,19 @@ def _row_pages(starts_k: list[int], key_lens: list[int], read_index: torch.Tenso
     `page` consecutive rows of a layer's cache view starting at a multiple of `page` (upstream's paged layout,
     tests/test_upstream_contract.py), so a row's j-th page is the one holding its key j * page."""
     device = read_index.device
-    count = torch.tensor([-(-n // page) for n in key_lens])
-    j = torch.minimum(torch.arange(int(count.max()))[None, :], count[:, None] - 1)
-    physical = read_index[(torch.tensor(starts_k)[:, None] + j * page).to(device)]
+    j = _page_columns(key_lens, page, device)
+    physical = read_index[torch.tensor(starts_k, device=device)[:, None] + j * page]
     if bool((physical % page).any()):
         raise RuntimeError("rollout_paged: a cache page does not start at a multiple of the page size; the paged "
                            "cache layout of this transformers version is not the one rollout_paged reads")
     return physical // page
+
+
+def _page_columns(key_lens: list[int], page: int, device) -> torch.Tensor:
+    """[R, most pages] for each row, the index of its page holding keys j * page ... (j + 1) * page - 1, a shorter
+    row repeating its last page."""
+    count = torch.tensor([-(-n // page) for n in key_lens], device=device)
+    return torch.minimum(torch.arange(int(count.max()), device=device)[None, :], count[:, None] - 1)
 
 
 def _shared_groups(pages: torch.Tensor, key_lens: list[int], page: int) -> list[tuple[list[int], int]]:

@@ -17,17 +17,28 @@ CHILD_SEPARATOR = "__child#"
 
 
 class RolloutScheduler(FIFOScheduler):
-    """FIFO scheduling, minus the 1-token fork crash; reports every prefix-cache hit to `on_prefix_hit(request_id,
-    num_tokens)` (set by the engine), so prefilled and reused tokens can be counted."""
+    """FIFO scheduling, minus the 1-token fork crash. For the engine's counts (hooks set by the engine): every
+    prefix-cache hit of a request's first admission goes to `on_prefix_hit(request_id, num_tokens)` (a request
+    preempted or recomputed after sampling is re-admitted with its logprobs so far: its hits are not new reuse), every
+    child split off as a request of its own to `on_split(request_id, num_prompt_tokens)` (it is prompted again), and
+    the cache to `on_schedule(cache)` once a step's pages are allocated (the peak of pages in use)."""
 
     on_prefix_hit: Callable[[str, int], None] | None = None
+    on_split: Callable[[str, int], None] | None = None
+    on_schedule: Callable[[object], None] | None = None
+
+    def schedule_batch(self, token_budget: int, cache_budget: int):
+        scheduled = super().schedule_batch(token_budget, cache_budget)
+        if self.on_schedule is not None:
+            self.on_schedule(self.cache)
+        return scheduled
 
     def _infer_request_tokens(self, state, request_ids_to_remove_from_waiting) -> list[int]:
         was_pending = state.status == RequestStatus.PENDING and not state.is_cpu_offloaded
         tokens = super()._infer_request_tokens(state, request_ids_to_remove_from_waiting)
         # a hit moves the request out of PENDING with its position advanced past the cached tokens, once
         if was_pending and state.status != RequestStatus.PENDING and state.position_offset > 0 \
-                and self.on_prefix_hit is not None:
+                and not state.logprobs and self.on_prefix_hit is not None:
             self.on_prefix_hit(state.request_id, state.position_offset)
         return tokens
 
@@ -42,6 +53,8 @@ class RolloutScheduler(FIFOScheduler):
             child.request_id = f"{state.request_id}{CHILD_SEPARATOR}{i}"
             child.num_children = 0
             self.add_waiting_request(child)
+            if self.on_split is not None:
+                self.on_split(child.request_id, len(child.initial_tokens))
         state.num_children = 0
 
 

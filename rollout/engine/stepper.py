@@ -2,7 +2,8 @@
 
 One event loop on its own daemon thread drives every step: an `async def step` runs on the loop; a plain `step` (and
 `make_env`, on an episode's first step) runs on a thread pool. Each step is bounded by `timeout` seconds; the
-outcome goes to a callback (on the loop thread) with either the step's result or the exception it raised. A
+outcome goes to a callback (on the loop thread) with either the step's result or the exception it raised, and the
+seconds it took (`make_env` included on an episode's first step). A
 timed-out `async` step is cancelled; a timed-out sync step cannot be interrupted in Python, so its pool thread stays
 busy until the function returns (its result is then dropped): the pool is sized for that (`WorkerConfig.env_threads`).
 """
@@ -12,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .episode import Episode
 
-StepCallback = Callable[[Any, "BaseException | None"], None]
+StepCallback = Callable[[Any, "BaseException | None", float], None]
 
 
 class Stepper:
@@ -30,7 +32,7 @@ class Stepper:
 
     def step(self, episode: Episode, prompt_index: int, sample_index: int, timeout: float | None,
              callback: StepCallback) -> None:
-        """Start one step of `episode` on its last model turn; `callback(turn, error)` gets the outcome."""
+        """Start one step of `episode` on its last model turn; `callback(turn, error, seconds)` gets the outcome."""
         asyncio.run_coroutine_threadsafe(self._run(episode, prompt_index, sample_index, timeout, callback), self._loop)
 
     def close_env(self, env: Any) -> None:
@@ -45,14 +47,15 @@ class Stepper:
 
     async def _run(self, episode: Episode, prompt_index: int, sample_index: int, timeout: float | None,
                    callback: StepCallback) -> None:
+        start = time.perf_counter()
         try:
             turn = await asyncio.wait_for(self._call(episode, prompt_index, sample_index), timeout)
         except asyncio.TimeoutError:
-            callback(None, TimeoutError(f"no answer within env_timeout={timeout}s"))
+            callback(None, TimeoutError(f"no answer within env_timeout={timeout}s"), time.perf_counter() - start)
         except BaseException as error:  # the episode's failure, not the engine's
-            callback(None, error)
+            callback(None, error, time.perf_counter() - start)
         else:
-            callback(turn, None)
+            callback(turn, None, time.perf_counter() - start)
 
     async def _call(self, episode: Episode, prompt_index: int, sample_index: int) -> Any:
         loop = asyncio.get_running_loop()

@@ -32,13 +32,15 @@ def forget_prefix_cache(manager) -> None:
             ledger.hash_to_block[sentinel] = block
 
 
-def recompute_in_flight(manager) -> int:
-    """Soft reset every request the scheduler holds (started or waiting); returns how many were started."""
+def recompute_in_flight(manager) -> tuple[int, int]:
+    """Soft reset every request the scheduler holds (started or waiting); returns how many were started and how many
+    tokens of KV they held (computed again under the new weights)."""
     scheduler = manager.batch_processor.scheduler
     started = list(scheduler.active_requests.values())
+    tokens = sum(state.position_offset for state in started)
     for state in started:
         fresh = state.create_equivalent_initial_request()
         state._status = RequestStatus.FINISHED
         scheduler.finish_request(state.request_id)
         scheduler.add_waiting_request(fresh)
-    return len(started)
+    return len(started), tokens

@@ -2,9 +2,11 @@
 
 Owns every Ray import in the package (tests/test_layout.py checks it). May import the worker layer (`rollout.worker`
 and the leaf modules below it), never the engine's internals directly. Files: `fleet.py` (RolloutFleet: dispatch,
-recovery), `actor.py` (the actor around one worker), `dispatch.py` (token-load dispatch), `resources.py` (placement),
+recovery), `future.py` (FleetFuture: a submitted call, its groups streamed as they finish), `actor.py` (the actor
+around one worker), `dispatch.py` (token-load dispatch), `resources.py` (placement),
 `transport.py` (how weight updates reach the actors: the `WeightTransport` interface, the object store and the
-collective; a new transport is one new file), `collective.py` (the torch.distributed group the collective uses).
+collective; a new transport is one new file), `collective.py` (the torch.distributed group the collective uses),
+`meter.py` (the fleet's own metrics and its actors' totals).
 """
 
 

@@ -1,26 +1,30 @@
 """FleetActor: one RolloutWorker in its own process, as RolloutFleet runs it (rollout.fleet wraps it with
 `ray.remote`; nothing here imports Ray).
 
-Calls speak token ids and plain data: `generate` returns the chunk's rows grouped by its prompts (prompt_ids left
-out: the caller has them). Weight updates arrive through a transport (transport.py): `receive` runs the transport's
-receiving half here and applies what it returns atomically; `connect` runs its per-actor setup (e.g. joining a
-torch.distributed group). A model, a peer's state dict and the updates a replacement replays travel in the shared
-form of `to_shared` (numpy views of state-dict tensors: Ray stores numpy arrays in shared memory and hands them to
-every actor on the node without a copy or unpickling; torch tensors it would pickle, copy and rebuild per reader).
-The read-only methods (`info`, `state`, `state_dict`) are meant to run in a separate concurrency group, so
-monitoring and restoring a peer never wait behind a generate.
+Calls speak token ids and plain data: `generate` streams the chunk's rows prompt by prompt as each group completes
+(prompt_ids left out: the caller has them), then the worker's metrics snapshot (so the fleet's totals keep what an
+actor counted even if it dies before the next `metrics()` call). Weight updates arrive through a transport
+(transport.py): `receive` runs the transport's receiving half here and applies what it returns atomically; `connect`
+runs its per-actor setup (e.g. joining a torch.distributed group). A model, a peer's state dict and the updates a
+replacement replays travel in the shared form of `to_shared` (numpy views of state-dict tensors: Ray stores numpy
+arrays in shared memory and hands them to every actor on the node without a copy or unpickling; torch tensors it
+would pickle, copy and rebuild per reader). The read-only methods (`info`, `state`, `state_dict`) are meant to run in
+a separate concurrency group, so monitoring and restoring a peer never wait behind a generate.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from concurrent.futures import CancelledError
 import os
 import signal
 import socket
+import threading
 import traceback
 import warnings
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -29,6 +33,7 @@ from .. import adapters
 from ..config import WorkerConfig
 from ..env import EpisodeSpec
 from ..loading import checkpoint_dir, load_tokenizer, model_from_state_dict
+from ..metrics import WorkerMetrics
 from ..worker import RolloutWorker
 
 
@@ -67,7 +72,10 @@ class FleetActor:
             torch.set_num_threads(torch_threads)
         self.worker = RolloutWorker(_model(source), config=config, tokenizer=tokenizer)
         self.links: dict[type, Any] = {}  # transport -> what its `connect` set up here (e.g. a WeightGroup)
-        self.busy = False
+        self.busy = 0  # generate and score calls running
+        self._futures: dict[int, list] = {}  # call id -> its generate futures here
+        self._lock = threading.Lock()
+        self._cancelled: deque[int] = deque(maxlen=1024)  # the latest cancelled call ids
         self.num_calls = 0
         self.num_rows = 0
         self.num_fingerprints = 0
@@ -81,34 +89,56 @@ class FleetActor:
 
     # ------------------------------------------------------------------ work
     def generate(self, prompts: list[list[int]], sampling: list, spec: EpisodeSpec | None = None,
-                 indices: list[int] | None = None) -> list[list]:
-        """Rows of each prompt of the chunk, in the chunk's order; prompt_index is local to the chunk. `indices`
-        are the chunk's prompts' indices in the fleet's call, which an episode's make_env is called with."""
-        self.busy = True
+                 indices: list[int] | None = None, call_id: int = 0) -> Iterator[tuple[int, list]]:
+        """Yields (prompt index local to the chunk, that prompt's rows) as each prompt's group completes, in
+        finishing order (a Ray streaming generator on the fleet's side), then (-1, the worker's metrics
+        snapshot). `indices` are the chunk's prompts' indices in the fleet's call, which an episode's make_env
+        is called with. Several calls run at once (the actor's default group has room for them), each cancelled
+        by its `call_id`."""
+        with self._lock:
+            self.busy += 1
+        future = None
         try:
             episodes = {} if spec is None else \
                 dict(spec.kwargs(), env=_Reindexed(spec.env, indices or list(range(len(prompts)))))
-            self._future = self.worker.submit(prompts, sampling=sampling, **episodes)
-            batch = self._future.result()
+            future = self.worker.submit(prompts, sampling=sampling, **episodes)
+            with self._lock:
+                self._futures.setdefault(call_id, []).append(future)
+                cancelled = call_id in self._cancelled
+            if cancelled:  # its cancel arrived before it started
+                future.cancel()
+            for group in future.as_completed():
+                # the fleet knows each episode's first prompt; a later segment's own prompt travels with its row
+                rows = [dataclasses.replace(row, prompt_ids=[]) if row.segment_index == 0 else row
+                        for row in group.rows()]
+                self.num_rows += len(rows)
+                yield int(group.prompt_index[0]), rows
+            self.num_calls += 1
+            yield -1, self.worker.metrics()
         except CancelledError:  # the fleet cancelled its call (`cancel`): nobody waits for these rows
-            return [[] for _ in prompts]
+            return
         finally:
-            self.busy = False
-        grouped: list[list] = [[] for _ in prompts]
-        for row in batch.rows():  # the fleet knows each episode's first prompt; a later segment's travels
-            grouped[row.prompt_index].append(dataclasses.replace(row, prompt_ids=[]) if row.segment_index == 0
-                                             else row)
-        self.num_calls += 1
-        self.num_rows += len(batch)
-        return grouped
+            with self._lock:
+                self.busy -= 1
+                futures = self._futures.get(call_id, [])
+                if future in futures:
+                    futures.remove(future)
+                if not futures:
+                    self._futures.pop(call_id, None)
 
     def score(self, prompts: list, completions: list, temperature: Any, kwargs: dict) -> list[torch.Tensor]:
-        self.busy = True
+        with self._lock:
+            self.busy += 1
         try:
             return self.worker.score(prompts, completions, temperature=temperature, **kwargs)
         finally:
-            self.busy = False
-            self.num_calls += 1
+            with self._lock:
+                self.busy -= 1
+                self.num_calls += 1
+
+    def metrics(self) -> WorkerMetrics:
+        """The worker's snapshot (control group: runs beside a generate)."""
+        return self.worker.metrics()
 
     def sleep(self) -> bool:
         self.worker.sleep()
@@ -119,10 +149,13 @@ class FleetActor:
         return True
 
     # ------------------------------------------------------------------ weights
-    def cancel(self) -> None:
-        """Cancel the generate in flight (control group: runs beside it)."""
-        future = getattr(self, "_future", None)
-        if future is not None:
+    def cancel(self, call_id: int | None = None) -> None:
+        """Cancel the generate calls in flight of one fleet call (all of them: None); control group, beside them."""
+        with self._lock:
+            futures = [f for key, fs in self._futures.items() if call_id is None or key == call_id for f in fs]
+            if call_id is not None:
+                self._cancelled.append(call_id)
+        for future in futures:
             future.cancel()
 
     def receive(self, transport: type, payload: Any, version: int, full: bool = False, in_flight: str = "wait") -> int:

@@ -9,14 +9,15 @@ behind a busy actor, and a free or freshly restarted actor pulls the next one). 
 and so takes more chunks. One chunk per worker gives each engine the biggest batch; more chunks rebalance better when
 actors differ in speed and lose less work when one dies.
 
-When an actor dies, every chunk it held goes back to the front of the queue for the others; a job whose actor died
-`max_attempts` times is reported (it is probably what kills them) instead of being retried forever.
+When an actor dies, every chunk it held goes back to the front of the queue for the others, less the jobs whose
+results it streamed back before dying; a job whose actor died `max_attempts` times is reported (it is probably what
+kills them) instead of being retried forever.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -64,10 +65,13 @@ class Dispatcher:
     def complete(self, slot: int, chunk: Chunk) -> None:
         self.running[slot].remove(chunk)
 
-    def fail(self, slot: int) -> list[int]:
-        """The actor died: requeue everything it held (front of the queue). Returns the jobs that have now failed
-        `max_attempts` times (the caller gives up on them)."""
+    def fail(self, slot: int, done: Container[int] = ()) -> list[int]:
+        """The actor died: requeue everything it held (front of the queue), except the jobs in `done` (results it
+        streamed back before dying). Returns the jobs that have now failed `max_attempts` times (the caller gives up
+        on them)."""
         chunks, self.running[slot] = self.running[slot], []
+        left = [[job for job in chunk.jobs if job not in done] for chunk in chunks]
+        chunks = [Chunk(tuple(jobs), sum(self.costs[j] for j in jobs)) for jobs in left if jobs]
         self.pending.extendleft(reversed(chunks))
         lost = [job for chunk in chunks for job in chunk.jobs]
         for job in lost:

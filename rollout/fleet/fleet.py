@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -43,16 +44,20 @@ from .actor import FleetActor, InMemoryModel, model_source, with_adapters
 from ..batch import RolloutBatch
 from ..config import WorkerConfig
 from .dispatch import Dispatcher
+from .future import FleetFuture, Groups
+from .meter import FleetMeter
 from ..config import check_in_flight
 from ..env import EnvFactory, EpisodeSpec
 from ..errors import check_int, invalid
 from ..loading import pad_token_id
+from ..metrics import FleetMetrics
 from ..prompts import prepare_call
 from .resources import FleetResources
 from .transport import Collective, ObjectStore, TransportFailed, WeightTransport
 from ..weights import check_version, plan_update, resolve_names
 
 POLL_S = 0.1  # how often a call waiting for actors checks for cancellation
+MAX_CALLS = 16  # submitted calls running at once (more wait); each actor runs that many generates side by side
 MAX_START_FAILURES = 3  # consecutive failed starts of one actor before the fleet gives up
 # Actor k's engine seed is the config's seed + ACTOR_SEED_STRIDE * k, where k = slot + num_workers * (restarts of that
 # slot): every actor ever started draws its unseeded rows from its own stream, and fleets whose config seeds differ by
@@ -86,8 +91,10 @@ class RolloutFleet:
         self.vocab_size = int(self._shapes.get_output_embeddings().weight.shape[0])
         self.max_context = getattr(model_config.get_text_config(), "max_position_embeddings", None)
         self._lock = threading.RLock()  # fleet state; never held across a wait for actors' results
-        self._calls = ThreadPoolExecutor(1, thread_name_prefix="rollout-fleet")  # submitted calls, in order
+        self._calls = ThreadPoolExecutor(MAX_CALLS, thread_name_prefix="rollout-fleet")  # submitted calls
+        self._call_ids = itertools.count()  # what an actor cancels a call's work by
         self._actors, self._starting, self._down, self._pg = [], {}, set(), None
+        self._meter, self._metrics_server = FleetMeter(), None
         self._transport: WeightTransport = ObjectStore()
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
@@ -123,32 +130,50 @@ class RolloutFleet:
 
     def submit(self, prompts: Sequence[Any], sampling=None, chat_template: bool = False,
                env: EnvFactory | None = None, max_turns: int = 1, max_episode_tokens: int | None = None,
-               env_timeout: float | None = 300.0, timeout: float | None = None) -> "FleetFuture":
-        """Validate here, then run the call in the background and return at once. Calls run one after another;
-        `update_weights` may run while one is in flight (each actor applies it under the chosen in_flight mode)."""
+               env_timeout: float | None = 300.0, timeout: float | None = None) -> FleetFuture:
+        """Validate here, then run the call in the background and return at once. Up to MAX_CALLS calls run side by
+        side (more wait their turn), each actor's engine batching them together; `update_weights` may run while they
+        are in flight (each actor applies it under the chosen in_flight mode). `as_completed()` on the future streams
+        each prompt's group as it finishes."""
         spec = EpisodeSpec.of(env, max_turns, max_episode_tokens, env_timeout)
         token_lists, params = prepare_call(prompts, sampling, self.tokenizer, chat_template, self.vocab_size,
                                            self.max_context, self.max_request_tokens)
         limit = min(self.max_context or self.max_request_tokens, self.max_request_tokens)
         budgets = [p.max_new_tokens if spec is None else spec.budget(len(ids), limit, f"prompt {i}")
                    for i, (ids, p) in enumerate(zip(token_lists, params))]
-        cancel = threading.Event()
-        return FleetFuture(self._calls.submit(self._run_call, token_lists, params, budgets, spec, timeout, cancel),
-                           cancel)
+        cancel, groups = threading.Event(), Groups(len(token_lists))
+        future = self._calls.submit(self._run_call, token_lists, params, budgets, spec, timeout, cancel, groups)
+        future.add_done_callback(lambda _: groups.close())
+        return FleetFuture(future, cancel, groups)
 
     def _run_call(self, token_lists, params, budgets, spec: EpisodeSpec | None, timeout: float | None,
-                  cancel: threading.Event) -> RolloutBatch:
+                  cancel: threading.Event, groups: Groups) -> RolloutBatch:
         costs = [len(ids) + p.n * min(b, p.max_new_tokens * (1 if spec is None else spec.max_turns))
                  for ids, p, b in zip(token_lists, params, budgets)]
+        call_id = next(self._call_ids)
 
-        def submit(actor, jobs: list[int]):
-            return actor.generate.remote([token_lists[j] for j in jobs], [params[j] for j in jobs], spec, jobs)
+        def submit(actor, jobs: list[int]):  # a streaming generator: one (chunk index, rows) per finished prompt
+            return actor.generate.remote([token_lists[j] for j in jobs], [params[j] for j in jobs], spec, jobs,
+                                         call_id)
 
-        grouped = self._scatter(costs, submit, timeout, [p.n for p in params], "generate", ("prompts", "rows"), cancel)
-        rows = [dataclasses.replace(row, prompt_index=j,
-                                    prompt_ids=list(token_lists[j]) if row.segment_index == 0 else row.prompt_ids)
-                for j in range(len(token_lists))
-                for row in sorted(grouped[j], key=lambda r: (r.sample_index, r.segment_index))]
+        tokens_by_slot: dict[int, int] = {}  # what each actor was given (prompt and completion tokens)
+
+        def rows_of(j: int, rows: list) -> list:  # an episode's first segment gets its prompt back; a later one's
+            return [dataclasses.replace(row, prompt_index=j,  # travelled with it
+                                        prompt_ids=list(token_lists[j]) if row.segment_index == 0 else row.prompt_ids)
+                    for row in sorted(rows, key=lambda r: (r.sample_index, r.segment_index))]
+
+        def on_group(slot: int, j: int, rows: list) -> None:
+            tokens_by_slot[slot] = tokens_by_slot.get(slot, 0) + len(token_lists[j]) + sum(
+                len(r.completion_ids) for r in rows)
+            groups.put(self._batch(rows_of(j, rows)))
+
+        grouped = self._scatter(costs, submit, timeout, [p.n for p in params], "generate", ("prompts", "rows"), cancel,
+                                call_id, on_group)
+        self._meter.dispatched(tokens_by_slot, self.num_workers)
+        return self._batch([row for j in range(len(token_lists)) for row in rows_of(j, grouped[j])])
+
+    def _batch(self, rows: list) -> RolloutBatch:
         newest = max((max(r.token_versions or [r.policy_version]) for r in rows), default=0)
         if newest > self.version:
             raise RuntimeError(f"rollout bug: a row from version {newest}, fleet is at {self.version}")
@@ -160,6 +185,10 @@ class RolloutFleet:
         if len(prompts) != len(completions):
             raise invalid("completions", f"{len(completions)} items", f"must be one per prompt ({len(prompts)})",
                           "pass as many completions as prompts")
+        if kwargs.get("return_routing"):
+            raise invalid("return_routing", True, "is not supported by the fleet's score yet",
+                          "score with rollout.score on a local copy of the model, or route rollouts through "
+                          "generate (its rows carry routing)")
         temps = list(temperature) if isinstance(temperature, Sequence) else None
 
         def submit(actor, jobs: list[int]):
@@ -185,6 +214,7 @@ class RolloutFleet:
         with self._lock:
             new_version = self.version + 1 if version is None else version
             self._await_starts()
+            start = time.perf_counter()
             pool = _Pool(self)
             try:
                 replay = self._transport.send(pool, items, new_version, full, mode)
@@ -203,6 +233,7 @@ class RolloutFleet:
             self._fingerprint = None
             self._num_updates += 1
             self._settle(verify=self._num_updates % self.verify_every == 0)
+            self._meter.weight_sync(time.perf_counter() - start, sum(t.numel() * t.element_size() for _, t in items))
             return new_version
 
     def sleep(self) -> None:
@@ -233,8 +264,41 @@ class RolloutFleet:
             self._settle()
             return self._fingerprint
 
+    def metrics(self, timeout: float = 10.0) -> FleetMetrics:
+        """The fleet's snapshot: `total` (as RolloutWorker.metrics, summed over actors; counters keep what replaced
+        actors had counted), `actors` (slot -> snapshot), and the fleet's own figures (replacements, dispatch
+        imbalance, weight-sync seconds and bytes). Each live actor answers beside its work (the control group); one
+        that does not answer within `timeout` seconds keeps its last snapshot."""
+        with self._lock:
+            refs = {slot: (self._actors[slot], self._actors[slot].metrics.options(concurrency_group="control").remote())
+                    for slot in sorted(self._ready())}
+        answered = ray.wait([ref for _, ref in refs.values()], num_returns=len(refs), timeout=timeout)[0] if refs \
+            else []
+        for slot, (actor, ref) in refs.items():  # never wait for actors with the fleet's lock held
+            if ref not in answered:
+                continue
+            with contextlib.suppress(ray.exceptions.RayError):  # died meanwhile: its last snapshot stays
+                snapshot = ray.get(ref)
+                with self._lock:
+                    if self._actors[slot] is actor:
+                        self._meter.actor_seen(slot, snapshot)
+        with self._lock:
+            return self._meter.snapshot(len(self._ready()), sum(self._restarts))
+
+    def serve_metrics(self, port: int, host: str = "127.0.0.1"):
+        """Serve `metrics()` for Prometheus on http://host:port/metrics until the fleet closes: the totals under the
+        worker's names, the fleet's own as `rollout_fleet_*`, each actor's as `rollout_actor_*{actor="<slot>"}`. As
+        RolloutWorker.serve_metrics: this machine only unless `host` says otherwise; one endpoint per fleet."""
+        from ..prometheus import serve
+
+        with self._lock:
+            self._metrics_server = serve(self._metrics_server, self.metrics, port, host, "fleet")
+            return self._metrics_server
+
     def close(self) -> None:
         """Stop every actor (engines first, briefly), the placement group, and Ray if this fleet started it."""
+        if getattr(self, "_metrics_server", None) is not None:
+            self._metrics_server.close()
         self._calls.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             ready = [self._actors[slot] for slot in sorted(self._ready())]  # a starting actor is just killed
@@ -261,9 +325,13 @@ class RolloutFleet:
 
     # ------------------------------------------------------------------ work across actors
     def _scatter(self, costs: list[int], submit: Callable, timeout: float | None, units: list[int], what: str,
-                 names: tuple[str, str], cancel: threading.Event | None = None) -> dict[int, Any]:
+                 names: tuple[str, str], cancel: threading.Event | None = None, call_id: int | None = None,
+                 on_result: Callable[[int, int, Any], None] | None = None) -> dict[int, Any]:
         """Run every job on some actor, by load; survive deaths; job index -> result. The fleet's lock is taken for
-        each round of bookkeeping and released while waiting, so an update can land meanwhile."""
+        each round of bookkeeping and released while waiting, so an update can land meanwhile. `submit` returns an
+        object ref (the chunk's results at once) or a streaming generator (one (chunk index, result) per job as it
+        finishes, each passed to `on_result(slot, job, result)`; an actor that dies midway loses only the jobs it had
+        not streamed; a last item (-1, metrics snapshot) updates the fleet's meter)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         plan = Dispatcher(costs, range(self.num_workers), self.chunks_per_worker)
         inflight: dict[Any, tuple[int, Any, Any]] = {}  # object ref -> (slot, chunk, the actor it went to)
@@ -289,7 +357,7 @@ class RolloutFleet:
                 with self._lock:
                     for ref in done:
                         if ref in inflight:
-                            self._collect(ref, inflight, plan, results, names[0])
+                            self._collect(ref, inflight, plan, results, names[0], on_result)
                         elif ref in self._starting.values():
                             self._started(next(s for s, r in self._starting.items() if r == ref))
         finally:
@@ -297,17 +365,22 @@ class RolloutFleet:
                 for ref, (slot, _, _) in inflight.items():  # after an error: nothing of the call keeps running
                     with contextlib.suppress(Exception):
                         ray.cancel(ref)
-                        self._actors[slot].cancel.options(concurrency_group="control").remote()
+                    with contextlib.suppress(Exception):
+                        self._actors[slot].cancel.options(concurrency_group="control").remote(call_id)
         return results
 
-    def _collect(self, ref, inflight: dict, plan: Dispatcher, results: dict, jobs_name: str) -> None:
-        slot, chunk, actor = inflight.pop(ref)
+    def _collect(self, ref, inflight: dict, plan: Dispatcher, results: dict, jobs_name: str,
+                 on_result: Callable[[int, int, Any], None] | None) -> None:
+        slot, chunk, actor = inflight[ref]
+        streamed = isinstance(ref, ray.ObjectRefGenerator)
         try:
-            values = ray.get(ref)
+            got = ray.get(next(ref)) if streamed else ray.get(ref)
+        except StopIteration:  # the chunk's stream ended: every job of it is back
+            got = None
         except ray.exceptions.RayActorError:
             for other in [r for r, (s, _, _) in inflight.items() if s == slot]:
                 inflight.pop(other)
-            given_up = plan.fail(slot)
+            given_up = plan.fail(slot, done=results)
             if given_up:
                 raise RuntimeError(f"{jobs_name} {given_up[:5]} were on an actor that died {plan.max_attempts} times: "
                                    "they probably kill it (out of memory?). Fix: shorten them or give actors more "
@@ -315,7 +388,20 @@ class RolloutFleet:
             if self._actors[slot] is actor:  # not already replaced (an update that landed meanwhile replaces the dead)
                 self._replace(slot)
             return
-        results.update(zip(chunk.jobs, values))
+        if streamed and got is not None:  # one job's result, or the actor's metrics after its chunk; the stream goes on
+            index, value = got
+            if index < 0:
+                if self._actors[slot] is actor:  # a replaced actor's last words are not the new one's
+                    self._meter.actor_seen(slot, value)
+                return
+            job = chunk.jobs[index]
+            results[job] = value
+            if on_result is not None:
+                on_result(slot, job, value)
+            return
+        inflight.pop(ref)
+        if not streamed:
+            results.update(zip(chunk.jobs, got))
         plan.complete(slot, chunk)
 
     def _time_out(self, plan: Dispatcher, results: dict, units: list[int], timeout: float, what: str,
@@ -385,6 +471,7 @@ class RolloutFleet:
             with contextlib.suppress(Exception):
                 ray.kill(old, no_restart=True)
             self._restarts[slot] += 1
+            self._meter.actor_replaced(slot)
             self._transport.actor_replaced()
         updates = self._restore_updates(slot)
         config = dataclasses.replace(self.config, seed=self.config.seed + ACTOR_SEED_STRIDE * (
@@ -434,6 +521,7 @@ class RolloutFleet:
 
     def _actor_options(self, slot: int) -> dict:
         options = dict(num_cpus=self.resources.cpus(self._cluster_cpus, self.num_workers), max_restarts=0,
+                       max_concurrency=MAX_CALLS,
                        num_gpus=self.resources.num_gpus, resources=dict(self.resources.custom) or None)
         if self._pg is not None:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self._pg,
@@ -477,27 +565,3 @@ class _Pool:
         with contextlib.suppress(Exception):
             ray.kill(self.fleet._actors[slot], no_restart=True)
         self.fleet._down.add(slot)
-
-
-class FleetFuture:
-    """A submitted fleet call: `done()`, `result(timeout=None)`, `cancel()` (what the actors still run of it is
-    cancelled too)."""
-
-    def __init__(self, future: Future, cancel: threading.Event) -> None:
-        self._future, self._cancel = future, cancel
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def result(self, timeout: float | None = None) -> RolloutBatch:
-        return self._future.result(timeout)
-
-    def cancel(self) -> bool:
-        if self._future.cancel():  # not started yet
-            return True
-        if self._future.done():
-            return False
-        self._cancel.set()
-        with contextlib.suppress(BaseException):
-            self._future.result()
-        return True

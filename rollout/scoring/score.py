@@ -17,6 +17,7 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import math
 from collections.abc import Iterable, Iterator, Sequence
@@ -28,6 +29,7 @@ import torch
 
 from ..errors import check_int, invalid, preview
 from ..loading import load_model
+from ..moe import Router, Routing, capture_routing, find_routers, routing_dtype
 from .packing import Pack, Pair, batches, block_causal_mask, build_pack
 
 DEFAULT_MAX_BATCH_TOKENS = 2048
@@ -43,6 +45,7 @@ class TokenScores:
     entropy: torch.Tensor | None = None  # [C] float32: entropy (nats) of the distribution it was drawn from
     top_ids: torch.Tensor | None = None  # [C, k] int64: the k most likely tokens at each step
     top_logprobs: torch.Tensor | None = None  # [C, k] float32: their logprobs
+    routing: torch.Tensor | None = None  # [P + C - 1, layers, top_k]: the experts of every fed position (MoE)
 
     def __post_init__(self) -> None:
         n = self.logprobs.shape[0]
@@ -55,22 +58,34 @@ class TokenScores:
 
 def score(model_or_path: Any, prompts: Sequence[Any], completions: Sequence[Any],
           temperature: float | Sequence[float] = 1.0, tokenizer: Any = None,
-          max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS) -> list[torch.Tensor]:
+          max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, return_routing: bool = False):
     """Teacher-forced logprobs of each completion given its prompt: one float32 [len(completion)] tensor per pair.
 
     Prompts and completions are token-id lists (or 1-D tensors), or strings with a tokenizer (encoded without
     special tokens, as the worker encodes text prompts). `temperature` is one float or one per pair.
+    `return_routing=True` (mixtures of experts): returns `(logprobs, routing)`, `routing` a `rollout.moe.Routing`
+    with the experts this forward chose at every fed position of each pair (prompt and completion but its last
+    token), in the layout `RolloutBatch.routing` has; a model without routers the recorder understands is refused
+    before anything runs.
     """
-    rows = score_details(model_or_path, prompts, completions, temperature, tokenizer, max_batch_tokens,
-                         entropy=False, top_k=0)
-    return [row.logprobs for row in rows]
+    model, tokenizer = load_model(model_or_path, tokenizer)
+    rows = score_details(model, prompts, completions, temperature, tokenizer, max_batch_tokens,
+                         entropy=False, top_k=0, return_routing=return_routing)
+    logprobs = [row.logprobs for row in rows]
+    if not return_routing:
+        return logprobs
+    routers = find_routers(model)
+    first = routers[0]
+    return logprobs, Routing(tuple(r.name for r in routers), first.num_experts, first.top_k,
+                             tuple(row.routing for row in rows))
 
 
 def score_details(model_or_path: Any, prompts: Sequence[Any], completions: Sequence[Any],
                   temperature: float | Sequence[float] = 1.0, tokenizer: Any = None,
                   max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, entropy: bool = True,
-                  top_k: int = 0) -> list[TokenScores]:
-    """`score`, plus per-token entropy and the `top_k` most likely alternatives (each costs one pass over the rows)."""
+                  top_k: int = 0, return_routing: bool = False) -> list[TokenScores]:
+    """`score`, plus per-token entropy and the `top_k` most likely alternatives (each costs one pass over the rows),
+    and with `return_routing` each pair's experts (`TokenScores.routing`)."""
     for name, value in (("prompts", prompts), ("completions", completions)):
         if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
             raise invalid(name, type(value).__name__, "must be a list with one entry per pair",
@@ -81,9 +96,10 @@ def score_details(model_or_path: Any, prompts: Sequence[Any], completions: Seque
     temps = _temperatures(temperature, len(prompts))
     model, tokenizer = load_model(model_or_path, tokenizer)
     _check_options(model, max_batch_tokens, top_k)
+    routers = find_routers(model) if return_routing else None
     limits = _limits(model)
     pairs = [_pair(i, p, c, t, tokenizer, limits) for i, (p, c, t) in enumerate(zip(prompts, completions, temps))]
-    return list(_run(model, pairs, max_batch_tokens, entropy, top_k))
+    return list(_run(model, pairs, max_batch_tokens, entropy, top_k, routers))
 
 
 def score_iter(model_or_path: Any, pairs: Iterable[tuple[Any, Any]], temperature: float = 1.0,
@@ -104,12 +120,16 @@ def score_iter(model_or_path: Any, pairs: Iterable[tuple[Any, Any]], temperature
 
 
 # ---------------------------------------------------------------------------------------------- the batch loop
-def _run(model, pairs: Iterable[Pair], max_batch_tokens: int, entropy: bool, top_k: int) -> Iterator[TokenScores]:
+def _run(model, pairs: Iterable[Pair], max_batch_tokens: int, entropy: bool, top_k: int,
+         routers: list[Router] | None = None) -> Iterator[TokenScores]:
     for group in batches(pairs, max_batch_tokens):
         pack = build_pack(group)
-        with _scoring_mode(model) as attn:
+        with _scoring_mode(model) as attn, capture_routing(model) if routers else contextlib.nullcontext() as seen:
             logits = _kept_logits(model, pack, attn)  # [R, V] in the model's dtype
             rows = _token_scores(logits, pack, entropy, top_k)
+        if routers:  # one forward: (fed tokens, layers, top_k), cut at the sequence boundaries
+            experts = seen[0].to(routing_dtype(routers[0].num_experts)).split(pack.cu_seq_lens.diff().tolist())
+            rows = [dataclasses.replace(row, routing=part.clone()) for row, part in zip(rows, experts)]
         yield from rows
 
 

@@ -6,6 +6,8 @@ transformers' public model classes; nothing else of rollout.
 """
 
 from .chat import build_chat_tokenizer, build_reasoning_chat_tokenizer
-from .tiny import SIZES, build_config, build_tiny_model, build_tokenizer, load_tiny_model
+from .teach import teach
+from .tiny import ARCHS, MOE_ARCHS, SIZES, build_config, build_tiny_model, build_tokenizer, load_tiny_model
 
-__all__ = ["SIZES", "build_chat_tokenizer", "build_reasoning_chat_tokenizer", "build_config", "build_tiny_model", "build_tokenizer", "load_tiny_model"]
+__all__ = ["ARCHS", "MOE_ARCHS", "SIZES", "build_chat_tokenizer", "build_config", "build_reasoning_chat_tokenizer",
+           "build_tiny_model", "build_tokenizer", "load_tiny_model", "teach"]

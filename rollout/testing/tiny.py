@@ -1,7 +1,7 @@
 """Tiny causal LMs built locally, for tests, examples, the demo and benchmarks.
 
 Nothing is downloaded: a byte-level BPE tokenizer is trained in-process on a small built-in corpus, a Llama- or
-Qwen2-style model is initialised from a config with a fixed seed, both are saved with `save_pretrained`, and callers
+Qwen2-style model (or a mixture of experts: Qwen3-MoE, OLMoE, Mixtral; `MOE_ARCHS`) is initialised from a config with a fixed seed, both are saved with `save_pretrained`, and callers
 load them back through the ordinary `from_pretrained` path so the real loading code is exercised.
 """
 
@@ -30,6 +30,11 @@ SIZES = {
     "25m": (512, 6, 8, 4, 1536, 8192),
     "100m": (768, 12, 12, 4, 2048, 16384),
 }
+
+
+# mixtures of experts: (experts, experts per token) at every size; each expert has the dense intermediate size / 2
+MOE_ARCHS = {"qwen3_moe": (8, 2), "olmoe": (8, 2), "mixtral": (4, 2)}
+ARCHS = ("llama", "qwen2", *MOE_ARCHS)
 
 
 def _corpus(num_lines: int = 4000, seed: int = 0) -> list[str]:
@@ -66,18 +71,25 @@ def build_tokenizer(vocab_size: int, seed: int = 0, extra_special_tokens: tuple[
 
 def build_config(arch: str, size: str, vocab_size: int, eos_id: int, bos_id: int, pad_id: int,
                  tie_word_embeddings: bool, max_position_embeddings: int):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import AutoConfig
 
+    if arch not in ARCHS:
+        raise ValueError(f"arch={arch!r} is invalid: must be one of {list(ARCHS)}. Fix: pick one of those.")
     hidden, layers, heads, kv_heads, inter, _ = SIZES[size]
     common = dict(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=inter,
                   max_position_embeddings=max_position_embeddings, eos_token_id=eos_id, bos_token_id=bos_id,
                   pad_token_id=pad_id, tie_word_embeddings=tie_word_embeddings)
-    if arch == "llama":
-        return LlamaConfig(**common)
-    if arch == "qwen2":
-        return Qwen2Config(**common)
-    raise ValueError(f"arch={arch!r} is invalid: must be 'llama' or 'qwen2'. Fix: pick one of those.")
+    if arch in MOE_ARCHS:
+        experts, top_k = MOE_ARCHS[arch]
+        common.update(num_experts_per_tok=top_k, intermediate_size=inter // 2)
+        if arch == "mixtral":
+            common.update(num_local_experts=experts)
+        else:
+            common.update(num_experts=experts, norm_topk_prob=True)
+        if arch == "qwen3_moe":
+            common.update(moe_intermediate_size=inter // 2, decoder_sparse_step=1, mlp_only_layers=[])
+    return AutoConfig.for_model(arch, **common)
 
 
 def build_tiny_model(path: str | os.PathLike, arch: str = "llama", size: str = "tiny", seed: int = 0,

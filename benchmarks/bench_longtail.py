@@ -1,0 +1,222 @@
+"""The long tail of a GRPO step: the synchronous step (generate everything, then filter) against the collector
+without and with partial rollouts, on the 25M-parameter Llama (fp32, CPU).
+
+    python benchmarks/bench_longtail.py              # 6 measured steps per method (~10 min on a quiet 2-core box)
+    python benchmarks/bench_longtail.py --steps 2    # a smoke run
+    python benchmarks/bench_longtail.py --no-push    # rollout throughput alone: no weight push between steps
+
+Workload (one seeded prompt stream, the same for every method): prompts of 8-16 random tokens, n = 8 samples each.
+Lengths are heavy-tailed through stop tokens and budgets: a prompt is "hard" one time in ten (its samples run to the
+budget, 8x the median), otherwise its samples stop at the first of K stop tokens, K chosen so the median completion
+is `--median` tokens (the model's next-token distribution is nearly flat, so a completion's length is geometric).
+The reward is 0 for every sample of 40% of the prompts (those groups have zero variance: dynamic sampling drops them)
+and otherwise the parity of the sum of the completion's token ids. Between steps the weights are pushed back
+(the same tensors, version + 1) under in_flight="recompute", as a trainer does after its optimizer step: rows carried
+by partial rollouts have their KV recomputed (on a CPU a prefill token costs about what a decode token costs at
+full batch, so this is the price partial rollouts pay here for exactness; on a GPU prefill is far cheaper).
+
+Methods, each run for a warm-up step and `--steps` measured steps:
+- sync: generate `--groups` prompts per step, then reward and keep the groups whose rewards differ;
+- collector: RolloutCollector(partial=False, over_sample): next_batch(accepted) with leftovers cancelled;
+- partial: RolloutCollector(partial=True, over_sample, max_staleness): leftovers carried into the next step.
+`accepted` = 60% of `--groups` (what sync keeps on average), so every method trains on batches of the same size.
+
+Reported per method over the measured steps: accepted groups/s, accepted (useful) tokens/s, generated tokens/s,
+over-generated tokens (generated and not returned: rejected groups, cancelled leftovers, stale rows), rows carried,
+the per-token staleness histogram, and each method's ratio to sync. The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+from rollout import RolloutBatch, RolloutCollector, RolloutWorker, SamplingParams, WorkerConfig, nonzero_std
+from rollout.testing import build_tiny_model
+
+N = 8  # samples per prompt
+
+
+class RunClock:
+    """Wall time less the time this process was stopped: on the shared benchmark machine processes at low priority
+    are paused (SIGSTOP) while someone else measures. A thread ticks every 20 ms; a gap longer than 0.5 s between two
+    ticks is counted as paused and left out of every interval."""
+
+    def __init__(self) -> None:
+        self.paused = 0.0
+        self._stop = threading.Event()
+        threading.Thread(target=self._tick, daemon=True).start()
+
+    def _tick(self) -> None:
+        last = time.monotonic()
+        while not self._stop.wait(0.02):
+            now = time.monotonic()
+            if now - last > 0.5:
+                self.paused += now - last - 0.02
+            last = now
+
+    def now(self) -> float:
+        return time.monotonic() - self.paused
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+CLOCK = RunClock()
+
+
+def prompt_stream(seed: int, vocab: int):
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        length = int(torch.randint(8, 17, (1,), generator=gen))
+        yield torch.randint(10, vocab, (length,), generator=gen).tolist()
+
+
+def is_hard(prompt: list[int]) -> bool:
+    return prompt[0] % 10 == 0  # one prompt in ten
+
+
+def is_flat(prompt: list[int]) -> bool:
+    return prompt[1] % 5 < 2  # two in five: every sample rewarded 0
+
+
+def sampling_fn(median: int, vocab: int):
+    """Per prompt: hard ones run to the budget; the others stop at one of K tokens (geometric, median `median`)."""
+    budget = 8 * median
+    num_stops = round(vocab * (1 - 0.5 ** (1 / median)))
+    stops = tuple(range(vocab - num_stops, vocab))
+    hard = SamplingParams(n=N, max_new_tokens=budget, ignore_eos=True)
+    easy = SamplingParams(n=N, max_new_tokens=budget, stop_token_ids=stops)
+    return (lambda prompt: hard if is_hard(prompt) else easy), num_stops
+
+
+def reward(group) -> torch.Tensor:
+    if is_flat(group.prompt_ids[0]):
+        return torch.zeros(len(group))
+    return torch.tensor([float(sum(ids) % 2) for ids in group.completion_token_lists()])
+
+
+def model_tokens(batch) -> int:
+    return int(batch.action_mask.sum())
+
+
+def push(worker, state, enabled: bool) -> None:
+    if enabled:
+        worker.update_weights(state, in_flight="recompute")
+
+
+def run_sync(worker, state, args, sampling, stream) -> dict:
+    totals = dict(groups=0, tokens=0, generated=0, over=0, carried=0, aborted=0, stale={})
+    for step in range(args.steps + 1):
+        if step == 1:
+            start, totals = CLOCK.now(), {k: ({} if k == "stale" else 0) for k in totals}
+        prompts = list(itertools.islice(stream, args.groups))
+        batch = worker.generate(prompts, [sampling(p) for p in prompts])
+        rewards = torch.cat([reward(batch_of(batch, g)) for g in range(args.groups)]).view(args.groups, N)
+        keep = (rewards != rewards[:, :1]).any(dim=1)
+        lengths = batch.completion_lengths.view(args.groups, N).sum(dim=1)
+        totals["groups"] += int(keep.sum())
+        totals["tokens"] += int(lengths[keep].sum())
+        totals["generated"] += batch.num_tokens
+        totals["over"] += int(lengths[~keep].sum())
+        add_hist(totals["stale"], {0: int(lengths[keep].sum())})
+        push(worker, state, args.push)
+    totals["seconds"] = CLOCK.now() - start
+    return totals
+
+
+def batch_of(batch, g: int):
+    return RolloutBatch.from_rows([r for r in batch.rows() if r.prompt_index == g])
+
+
+def run_collector(worker, state, args, sampling, stream, partial: bool) -> dict:
+    totals = dict(groups=0, tokens=0, generated=0, over=0, carried=0, aborted=0, stale={})
+    with RolloutCollector(worker, stream, sampling, reward_fn=reward, accept=nonzero_std, over_sample=args.over_sample,
+                          partial=partial, max_staleness=args.max_staleness) as collector:
+        for step in range(args.steps + 1):
+            if step == 1:
+                start, totals = CLOCK.now(), {k: ({} if k == "stale" else 0) for k in totals}
+            batch = collector.next_batch(args.accepted)
+            stats = batch.stats
+            totals["groups"] += stats["accepted_groups"]
+            totals["tokens"] += model_tokens(batch)
+            totals["over"] += stats["over_generated_tokens"]
+            totals["generated"] += model_tokens(batch) + stats["over_generated_tokens"]
+            totals["carried"] += stats["carried_rows"]
+            totals["aborted"] += stats["aborted_rows"]
+            add_hist(totals["stale"], stats["staleness_hist"])
+            push(worker, state, args.push)
+        totals["seconds"] = CLOCK.now() - start
+    return totals
+
+
+def add_hist(into: dict, hist: dict) -> None:
+    for k, v in hist.items():
+        into[int(k)] = into.get(int(k), 0) + int(v)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=6, help="measured steps per method (after one warm-up step)")
+    parser.add_argument("--groups", type=int, default=16, help="prompts per synchronous step")
+    parser.add_argument("--median", type=int, default=16, help="median completion length (budget: 8x)")
+    parser.add_argument("--over-sample", type=float, default=1.5, help="the collectors' over_sample")
+    parser.add_argument("--max-staleness", type=int, default=1, help="the collectors' max_staleness")
+    parser.add_argument("--no-push", dest="push", action="store_false", help="no weight push between steps")
+    parser.add_argument("--methods", default="sync,collector,partial")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    args.accepted = max(1, round(0.6 * args.groups))
+    path = build_tiny_model(f"{tempfile.gettempdir()}/rollout-bench-25m", size="25m")
+    results = {}
+    with RolloutWorker(path, WorkerConfig(seed=args.seed)) as worker:
+        vocab = worker.vocab_size
+        sampling, num_stops = sampling_fn(args.median, vocab)
+        state = {name: t.detach().clone() for name, t in worker.model.state_dict().items()}
+        for method in args.methods.split(","):
+            stream = prompt_stream(args.seed, vocab)
+            if method == "sync":
+                results[method] = run_sync(worker, state, args, sampling, stream)
+            else:
+                results[method] = run_collector(worker, state, args, sampling, stream, partial=method == "partial")
+            print(f"# {method}: {results[method]['seconds']:.1f}s", file=sys.stderr, flush=True)
+        recomputed = worker.engine.num_recomputed
+    load = os.getloadavg()
+    print(f"# long-tail card: 25M-parameter Llama, fp32, CPU ({torch.get_num_threads()} threads), WorkerConfig "
+          f"defaults; {args.steps} measured steps per method after 1 warm-up; n={N}; prompts 8-16 tokens; median "
+          f"completion {args.median} (K={num_stops} stop tokens), budget {8 * args.median}, 1 prompt in 10 runs "
+          f"to it; 40% of groups zero-variance; sync {args.groups} prompts/step, collectors {args.accepted} accepted "
+          f"groups/step, over_sample {args.over_sample}, max_staleness {args.max_staleness}; weight push per step: "
+          f"{'recompute' if args.push else 'none'}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
+          f"{CLOCK.paused:.0f}s paused by the machine's owner left out of the timings")
+    base = results.get("sync")
+    print(f"{'method':<10}{'s':>7}{'groups/s':>10}{'acc tok/s':>11}{'gen tok/s':>11}{'over-gen':>10}{'carried':>9}"
+          f"{'aborted':>9}{'x sync':>8}  staleness (tokens by versions behind)")
+    rows = {}
+    for method, r in results.items():
+        rate = r["tokens"] / r["seconds"]
+        ratio = rate / (base["tokens"] / base["seconds"]) if base else float("nan")
+        rows[method] = dict(seconds=r["seconds"], groups_per_s=r["groups"] / r["seconds"], accepted_tokens_per_s=rate,
+                            generated_tokens_per_s=r["generated"] / r["seconds"], over_generated=r["over"],
+                            carried_rows=r["carried"], aborted_rows=r["aborted"], vs_sync=ratio,
+                            staleness=dict(sorted(r["stale"].items())))
+        print(f"{method:<10}{r['seconds']:>7.1f}{rows[method]['groups_per_s']:>10.3f}{rate:>11.1f}"
+              f"{rows[method]['generated_tokens_per_s']:>11.1f}{r['over']:>10d}{r['carried']:>9d}{r['aborted']:>9d}"
+              f"{ratio:>7.2f}x  {rows[method]['staleness']}")
+    print(f"# requests recomputed by the pushes: {recomputed}")
+    print(json.dumps({"benchmark": "longtail", "steps": args.steps, "groups": args.groups, "accepted": args.accepted,
+                      "median": args.median, "over_sample": args.over_sample, "push": args.push,
+                      "max_staleness": args.max_staleness, "load": [round(x, 2) for x in load],
+                      "paused_s": round(CLOCK.paused, 1), "results": rows}))
+
+
+if __name__ == "__main__":
+    main()

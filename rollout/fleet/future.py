@@ -1,0 +1,88 @@
+"""FleetFuture: a submitted RolloutFleet call, as RolloutFuture is for a worker.
+
+    future = fleet.submit(prompts, sampling=...)
+    future.done(); batch = future.result(timeout=None); future.cancel()
+    for group in future.as_completed():   # each prompt's group as soon as the actor running it has all its rows
+
+The call runs on one of the fleet's call threads; each group its actors stream back goes into `Groups`, in finishing
+order, with the call's own prompt_index. Nothing here imports Ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+
+from ..batch import RolloutBatch
+
+
+class Groups:
+    """A fleet call's finished groups, in finishing order, for `FleetFuture.as_completed` (put by the call's thread,
+    closed when the call is over)."""
+
+    def __init__(self, num_groups: int) -> None:
+        self.num_groups = num_groups
+        self.batches: list[RolloutBatch] = []
+        self.closed = False
+        self.changed = threading.Condition()
+
+    def put(self, batch: RolloutBatch) -> None:
+        with self.changed:
+            self.batches.append(batch)
+            self.changed.notify_all()
+
+    def close(self) -> None:
+        with self.changed:
+            self.closed = True
+            self.changed.notify_all()
+
+
+class FleetFuture:
+    """A submitted fleet call: `done()`, `result(timeout=None)`, `cancel()` (what the actors still run of it is
+    cancelled too) and `as_completed(timeout=None)`: each prompt's group as a RolloutBatch as soon as the actor
+    running it has all its rows, in finishing order, with the call's own prompt_index (as RolloutFuture's)."""
+
+    def __init__(self, future: Future, cancel: threading.Event, groups: Groups) -> None:
+        self._future, self._cancel, self._groups = future, cancel, groups
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def cancelled(self) -> bool:
+        return self._cancel.is_set() or self._future.cancelled()
+
+    def result(self, timeout: float | None = None) -> RolloutBatch:
+        return self._future.result(timeout)
+
+    def as_completed(self, timeout: float | None = None) -> Iterator[RolloutBatch]:
+        """Groups as they finish; then raises what `result` raises if the call failed or was cancelled. `timeout`
+        bounds the whole iteration (TimeoutError; the call goes on)."""
+        groups = self._groups
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for position in range(groups.num_groups):
+            with groups.changed:
+                while position >= len(groups.batches):
+                    if groups.closed:
+                        self._future.result()  # raises the call's error (a finished call has every group)
+                        raise RuntimeError("rollout bug: a fleet call ended without all its groups")
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise TimeoutError(f"as_completed timed out after {timeout}s with {position}/"
+                                           f"{groups.num_groups} groups done")
+                    groups.changed.wait(remaining)
+                batch = groups.batches[position]
+            yield batch
+
+    def cancel(self) -> bool:
+        if self._future.cancel():  # not started yet
+            self._groups.close()
+            return True
+        if self._future.done():
+            return False
+        self._cancel.set()
+        with contextlib.suppress(BaseException):
+            self._future.result()
+        return True

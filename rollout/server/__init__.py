@@ -1,0 +1,18 @@
+"""An OpenAI-compatible HTTP server over a RolloutWorker or RolloutFleet: token ids, exact logprobs and versions.
+
+    server = rollout.serve(worker, host="127.0.0.1", port=8000)   # or: rollout serve MODEL
+    batch = server.take_episode(episode_id)                        # what an agent harness sampled, token-exact
+
+May import rollout's public modules (`batch`, `params`, `loading`, the worker's public API), fastapi, starlette and
+uvicorn (lazily: `rollout[serve]`); never the engine's internals, Ray or trainers_integration. Files, one concept
+each: `protocol.py` (request bodies, checked), `chat.py` (chat template in, parse_response out, episode
+continuations), `choices.py` (rows to choices: stop strings, streaming deltas), `responses.py` (response and chunk
+bodies), `backend.py` (the rollout side seen from the event loop), `episodes.py` (episode recording, segments),
+`service.py` (one request, start to end), `app.py` (the FastAPI routes), `server.py` (the handle and `serve`),
+`errors.py` (OpenAI's error shape). Docs: docs/serve.md.
+"""
+
+from .episodes import EpisodeBatch, EpisodeRecorder
+from .server import Server, serve
+
+__all__ = ["EpisodeBatch", "EpisodeRecorder", "Server", "serve"]

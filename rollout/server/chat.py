@@ -1,0 +1,168 @@
+"""ChatFormat: OpenAI chat messages to token ids through the tokenizer's own chat template, and sampled token ids back
+to an assistant message through its own `parse_response`.
+
+- `render(messages, tools)`: messages as OpenAI sends them (content parts, tool calls whose `arguments` is a JSON
+  string, the `developer` role) are put in the shape chat templates read (text content, `arguments` as an object,
+  `developer` as `system`, a tool message's `name` from the call it answers), then rendered with the generation
+  prompt.
+- `end_of_turn`: the token that closes an assistant turn in this template (`<|im_end|>`, `<|eot_id|>`, ...), found
+  by rendering a one-turn chat: chat requests stop on it as well as on the model's EOS.
+- `message(ids, prompt, tools)`: the assistant message of a completion. With tools, `tokenizer.parse_response` (its
+  `response_template`) splits content and tool calls; a completion the parser rejects is plain content.
+- `continuation(...)`: the next prompt of an episode built from the tokens the model actually sampled, plus the
+  rendering of the messages that came after them (see docs/serve.md, "Episodes"): no re-tokenized history.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from .errors import bad_request
+
+
+class ChatFormat:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.atomic_ids = set(getattr(tokenizer, "added_tokens_decoder", {}) or {})  # always tokenized alone
+        self.end_of_turn = self._end_of_turn()
+
+    @property
+    def can_render(self) -> bool:
+        return self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
+
+    @property
+    def can_parse_tools(self) -> bool:
+        return getattr(self.tokenizer, "response_template", None) is not None
+
+    # ------------------------------------------------------------------ messages -> ids
+    def render(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool = True) -> list[int]:
+        if not self.can_render:
+            raise bad_request("messages", "this model's tokenizer has no chat template. Fix: send prompt_token_ids, "
+                              "or use /v1/completions with a text prompt")
+        try:
+            ids = self.tokenizer.apply_chat_template(normalize(messages), tools=tools or None, tokenize=True,
+                                                     add_generation_prompt=add_generation_prompt, return_dict=False)
+        except Exception as error:  # a template's own raise_exception, a missing field, ...
+            raise bad_request("messages", f"the chat template could not render these messages: "
+                              f"{type(error).__name__}: {error}") from None
+        return list(ids)
+
+    def _end_of_turn(self) -> tuple[int, ...]:
+        """The last added token the template writes after an assistant message's content (its end of turn)."""
+        if not self.can_render:
+            return ()
+        try:
+            user = [{"role": "user", "content": "hi"}]
+            head = self.render(user, None)
+            both = self.render(user + [{"role": "assistant", "content": "ok"}], None, add_generation_prompt=False)
+        except Exception:
+            return ()
+        if both[: len(head)] != head:
+            return ()
+        closing = [t for t in both[len(head):] if t in self.atomic_ids]
+        return (closing[-1],) if closing else ()
+
+    # ------------------------------------------------------------------ ids -> message
+    def message(self, ids: list[int], text: str, prompt: list[int], tools: list[dict] | None) -> dict:
+        """The assistant message of a completion (`text`: its decoded text, stop strings already cut)."""
+        if tools:
+            try:
+                parsed = self.tokenizer.parse_response(ids, prefix=prompt, tools=tools)
+            except ValueError:  # the model's call did not parse: the turn is plain text, as it was written
+                parsed = None
+            if isinstance(parsed, dict) and parsed.get("tool_calls"):
+                message = {k: v for k, v in parsed.items() if k not in ("role", "tool_calls")}
+                message.setdefault("content", None)
+                return {"role": "assistant", **message, "tool_calls": [openai_call(c) for c in parsed["tool_calls"]]}
+        return {"role": "assistant", "content": text}
+
+    # ------------------------------------------------------------------ episodes
+    def continuation(self, before: list[dict], messages: list[dict], tools: list[dict] | None,
+                     context: list[int], completion: list[int]) -> list[int] | None:
+        """The prompt of a turn whose `messages` continue `before` (the previous call's messages) with the
+        assistant message the server returned for `completion`, then new messages: `context` (that call's prompt)
+        + `completion` (its sampled ids) + the rendering of the new messages. None when that is not the chat the
+        template renders: the completion did not end on an end-of-turn token, or rendering the new messages
+        changes the tokens before them (a template that is not prefix-preserving); the caller renders afresh."""
+        k = len(before) + 1
+        if not completion or completion[-1] not in self.atomic_ids or len(messages) <= k:
+            return None
+        start = len(self.render(before, tools))
+        closed = self.render(messages[:k], tools, add_generation_prompt=False)
+        cut = next((i + 1 for i in range(len(closed) - 1, start - 1, -1) if closed[i] == completion[-1]), None)
+        if cut is None:
+            return None
+        after = self.render(messages, tools)
+        if after[:cut] != closed[:cut]:
+            return None
+        return context + completion + after[cut:]
+
+
+def normalize(messages: list[dict]) -> list[dict]:
+    """OpenAI's message shapes as chat templates read them."""
+    names = {}
+    out = []
+    for i, message in enumerate(messages):
+        m = {k: v for k, v in message.items() if v is not None or k == "content"}
+        if m["role"] == "developer":
+            m["role"] = "system"
+        m["content"] = _text(m.get("content"), i)
+        if m.get("tool_calls"):
+            m["tool_calls"] = [_template_call(c, i) for c in m["tool_calls"]]
+            names.update({c.get("id"): c["function"]["name"] for c in m["tool_calls"] if c.get("id")})
+        if m["role"] == "tool" and "name" not in m and m.get("tool_call_id") in names:
+            m["name"] = names[m["tool_call_id"]]
+        out.append(m)
+    return out
+
+
+def same_message(sent: dict, returned: dict) -> bool:
+    """Whether a message a client sent back is the assistant message the server returned (content and calls; the
+    call ids and other fields aside)."""
+    if sent.get("role") != "assistant":
+        return False
+    a, b = normalize([sent])[0], normalize([returned])[0]
+    calls = [[(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls") or []] for m in (a, b)]
+    return (a.get("content") or "") == (b.get("content") or "") and calls[0] == calls[1]
+
+
+def _text(content: Any, index: int) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"messages[{index}].content", "only text content parts are supported "
+                                  "({\"type\": \"text\", \"text\": ...}): this server serves a text model")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad_request(f"messages[{index}].content", "content must be a string, null or a list of text parts")
+
+
+def _template_call(call: Any, index: int) -> dict:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise bad_request(f"messages[{index}].tool_calls", "each tool call must be {\"type\": \"function\", "
+                          "\"function\": {\"name\": ..., \"arguments\": ...}}")
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):  # OpenAI sends a JSON string; templates render an object
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            pass
+    out = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    if call.get("id") is not None:
+        out["id"] = call["id"]
+    return out
+
+
+def openai_call(call: dict) -> dict:
+    """A parsed call ({"type": "function", "function": {"name", "arguments": object}}) as OpenAI returns it."""
+    function = call.get("function", call)
+    arguments = function.get("arguments", {})
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": function.get("name"),
+                         "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}}

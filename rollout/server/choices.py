@@ -1,0 +1,124 @@
+"""Choice: one sampled completion of a request as the API returns it, built from the engine's row.
+
+The engine stops on token ids (the model's EOS, the chat template's end of turn, `stop_token_ids`, and every `stop`
+string that is one token). A `stop` string is text, though, and may span tokens or sit inside one: `Detokenizer.cut`
+finds the first stop string in the decoded text and keeps the tokens up to the one that completes it (their ids and
+logprobs are exact; the text ends before the stop string, as OpenAI's does; the tokens sampled after it are dropped,
+from the response and from a recorded episode alike). `StreamedChoice` does the same while the tokens arrive, holding
+back text that could still turn out to be the start of a stop string (or half of a UTF-8 character).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..batch import Row
+
+
+class Diverged(Exception):
+    """A streamed row came back with other tokens than those already sent (an "abort" weight update re-ran it)."""
+
+
+class Detokenizer:
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...] = ()) -> None:
+        self.tokenizer, self.stops = tokenizer, stops
+
+    def text(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def piece(self, token: int) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def cut(self, ids: list[int]) -> tuple[int, str, bool]:
+        """(tokens kept, their text, whether a stop string ended them)."""
+        text = self.text(ids)
+        hits = [(text.find(s), s) for s in self.stops if s in text]
+        if not hits:
+            return len(ids), text, False
+        pos, stop = min(hits)
+        low, high = 1, len(ids)  # the fewest tokens whose text holds the stop string
+        while low < high:
+            mid = (low + high) // 2
+            if stop in self.text(ids[:mid]):
+                high = mid
+            else:
+                low = mid + 1
+        return low, text[:pos], True
+
+    def held_back(self, text: str) -> int:
+        """Characters at the end of `text` not to stream yet: half a character, or a possible stop string start."""
+        hold = len(text) - len(text.rstrip("\ufffd"))
+        for stop in self.stops:
+            for size in range(min(len(stop) - 1, len(text)), 0, -1):
+                if text.endswith(stop[:size]):
+                    hold = max(hold, size)
+                    break
+        return hold
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    sampling_logprobs: list[float]
+    token_versions: list[int]
+    finish_reason: str  # "stop", "length" or "tool_calls"
+    text: str
+    message: dict | None = None  # chat: the assistant message (content, tool calls)
+
+    @property
+    def policy_version(self) -> int:
+        return min(self.token_versions) if self.token_versions else -1
+
+
+def choice_of(index: int, row: Row, detok: Detokenizer) -> Choice:
+    """The API's view of an engine row: cut at the first stop string; "stop" when a stop token or string ended it."""
+    kept, text, stopped = detok.cut(list(row.completion_ids))
+    versions = list(row.token_versions) if row.token_versions is not None else [row.policy_version] * kept
+    finish = "stop" if stopped or row.finish_reason == "stop" else "length"
+    return Choice(index, list(row.prompt_ids), list(row.completion_ids[:kept]), list(row.logprobs[:kept]),
+                  list(row.sampling_logprobs[:kept]), versions[:kept], finish, text)
+
+
+@dataclass
+class Delta:
+    token_ids: list[int]
+    logprobs: list[float]
+    token_versions: list[int]
+    text: str
+
+
+@dataclass
+class StreamedChoice:
+    """What has been sent of one choice while it streams."""
+
+    index: int
+    detok: Detokenizer
+    token_ids: list[int] = field(default_factory=list)
+    sent_text: str = ""
+    stopped: bool = False  # a stop string ended it: later tokens are not sent
+
+    def advance(self, ids: list[int], logprobs: list[float], versions: list[int], final: bool = False) -> Delta | None:
+        """The part of `ids` (the row so far) not sent yet, and the text that is safe to send; None if nothing."""
+        if self.stopped:
+            return None
+        if ids[: len(self.token_ids)] != self.token_ids:
+            raise Diverged(f"choice {self.index} was re-run after {len(self.token_ids)} tokens had been streamed")
+        kept, text, self.stopped = self.detok.cut(ids)
+        if not (final or self.stopped):
+            text = text[: len(text) - self.detok.held_back(text)]
+        start = len(self.token_ids)
+        if kept <= start and len(text) <= len(self.sent_text):
+            return None
+        delta = Delta(list(ids[start:kept]), list(logprobs[start:kept]), list(versions[start:kept]),
+                      text[len(self.sent_text):])
+        self.token_ids = list(ids[:kept])
+        self.sent_text = max(self.sent_text, text, key=len)
+        return delta

@@ -1,0 +1,264 @@
+"""The OpenAI request bodies this server takes, parsed and checked before anything is submitted.
+
+`parse(kind, body, headers)` turns the JSON of `POST /v1/chat/completions` (kind "chat") or `POST /v1/completions`
+(kind "completion") into a `Request`, or raises an `ApiError` (400) naming the field. Nothing is silently dropped:
+an unknown field is refused as OpenAI's API refuses it, and a sampling control the engine cannot honour
+(`presence_penalty`, `logit_bias`, ...) is refused unless it holds its neutral value.
+
+Extensions (vLLM's names where vLLM has one): `prompt_token_ids` (token ids instead of messages or a prompt),
+`top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids` (false drops the token-id fields of the response) and
+`episode_id` (or the `X-Episode-Id` header: record the call under that episode).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import bad_request
+
+# Sampling controls other servers take that this engine cannot apply per request: accepted only at these values.
+NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},), "min_p": (0, 0.0),
+           "repetition_penalty": (1, 1.0), "min_tokens": (0,), "best_of": (1,), "echo": (False,), "suffix": ("",),
+           "parallel_tool_calls": (True,), "store": (False,), "response_format": ({"type": "text"},)}
+# Fields that change nothing about the tokens: accepted and, as OpenAI's API does with them, not acted upon.
+INERT = ("user", "metadata", "service_tier")
+COMMON = {"model", "n", "temperature", "top_p", "max_tokens", "stop", "seed", "stream", "stream_options", "logprobs",
+          "prompt_token_ids", "top_k", "stop_token_ids", "ignore_eos", "return_token_ids", "episode_id",
+          *NEUTRAL, *INERT}
+FIELDS = {"chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"},
+          "completion": COMMON | {"prompt"}}
+MAX_TOP_LOGPROBS = 0  # the engine computes the sampled token's logprob only (see docs/serve.md, "Logprobs")
+TOOL_CHOICES = ("auto", "none")
+EPISODE_HEADER = "x-episode-id"
+
+
+@dataclass(frozen=True)
+class Request:
+    """One parsed request. `prompts`: one entry per prompt, text or token ids (a chat request from messages has
+    none: `messages` is rendered later). `max_tokens` None: whatever the context leaves."""
+
+    kind: str
+    model: str
+    messages: list[dict] | None
+    prompts: list[Any] | None
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int | None
+    max_tokens_param: str  # the field it came from (errors name it)
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...] | None
+    ignore_eos: bool
+    seed: int | None
+    logprobs: bool
+    stream: bool
+    include_usage: bool
+    tools: list[dict] | None
+    tool_choice: str
+    episode_id: str | None
+    return_token_ids: bool
+
+    @property
+    def parses_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+def parse(kind: str, body: Any, headers: dict[str, str] | None = None) -> Request:
+    if not isinstance(body, dict):
+        raise bad_request(None, "the request body must be a JSON object")
+    unknown = sorted(set(body) - FIELDS[kind])
+    if unknown:
+        raise bad_request(unknown[0], f"Unrecognized request argument supplied: {unknown[0]}")
+    for name, neutral in NEUTRAL.items():
+        value = body.get(name)
+        if name in body and value is not None and not any(value == v and type(value) is type(v) for v in neutral):
+            raise bad_request(name, f"{name}={value!r} is not supported: this engine cannot apply it per request. "
+                              f"Fix: leave it out (or at {neutral[0]!r}).")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("model", "model is required: the name GET /v1/models lists")
+    messages, prompts = _inputs(kind, body)
+    stream = _bool(body, "stream", False)
+    return Request(
+        kind=kind, model=model, messages=messages, prompts=prompts, n=_int(body, "n", 1, 1),
+        temperature=_number(body, "temperature", 1.0, 0.0, math.inf),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True), top_k=_int(body, "top_k", 0, 0),
+        max_tokens=_max_tokens(kind, body),
+        max_tokens_param="max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens",
+        stop=_stop(body), stop_token_ids=_ids(body, "stop_token_ids"),
+        ignore_eos=_bool(body, "ignore_eos", False), seed=_int(body, "seed", None, 0), logprobs=_logprobs(kind, body),
+        stream=stream, include_usage=_include_usage(body, stream), tools=_tools(body),
+        tool_choice=_tool_choice(body), episode_id=_episode_id(body, headers or {}),
+        return_token_ids=_bool(body, "return_token_ids", True))
+
+
+def _inputs(kind: str, body: dict) -> tuple[list[dict] | None, list[Any] | None]:
+    ids = body.get("prompt_token_ids")
+    source = "messages" if kind == "chat" else "prompt"
+    given = body.get(source)
+    if ids is not None:
+        if given is not None:
+            raise bad_request("prompt_token_ids", f"pass {source} or prompt_token_ids, not both")
+        lists = ids if ids and isinstance(ids[0], list) and kind == "completion" else [ids]
+        return None, [_token_list(x, "prompt_token_ids") for x in lists]
+    if kind == "chat":
+        if not isinstance(given, list) or not given or not all(isinstance(m, dict) for m in given):
+            raise bad_request("messages", "messages must be a non-empty list of message objects (or pass "
+                              "prompt_token_ids)")
+        for i, message in enumerate(given):
+            if not isinstance(message.get("role"), str):
+                raise bad_request(f"messages[{i}].role", f"messages[{i}] has no role")
+        return given, None
+    return None, _completion_prompts(given)
+
+
+def _completion_prompts(prompt: Any) -> list[Any]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(_is_int(t) for t in prompt):
+            return [list(prompt)]
+        if all(isinstance(p, list) for p in prompt):
+            return [_token_list(p, "prompt") for p in prompt]
+    raise bad_request("prompt", "prompt must be a string, a list of strings, a list of token ids, or a list of "
+                      "token-id lists (non-empty)")
+
+
+def _token_list(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or not value or not all(_is_int(t) for t in value):
+        raise bad_request(name, f"{name} must be a non-empty list of integer token ids")
+    return list(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(body: dict, name: str, default: int | None, minimum: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_int(value) or value < minimum:
+        raise bad_request(name, f"{name}={value!r} is invalid: must be an integer >= {minimum}")
+    return value
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float, open_low: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        and (value > low if open_low else value >= low) and value <= high
+    if not ok:
+        bounds = f"{'(' if open_low else '['}{low}, {high}]" if high != math.inf else f">= {low}"
+        raise bad_request(name, f"{name}={value!r} is invalid: must be a finite number in {bounds}")
+    return float(value)
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(name, f"{name}={value!r} is invalid: must be true or false")
+    return value
+
+
+def _max_tokens(kind: str, body: dict) -> int | None:
+    legacy = _int(body, "max_tokens", None, 1)
+    if kind == "completion":
+        return 16 if legacy is None else legacy  # OpenAI's (and vLLM's) default for completions
+    new = _int(body, "max_completion_tokens", None, 1)
+    if legacy is not None and new is not None and legacy != new:
+        raise bad_request("max_completion_tokens", f"max_tokens={legacy} and max_completion_tokens={new} disagree. "
+                          "Fix: pass max_completion_tokens only")
+    return new if new is not None else legacy
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise bad_request("stop", "stop must be a non-empty string or a list of non-empty strings")
+    return tuple(stops)
+
+
+def _ids(body: dict, name: str) -> tuple[int, ...] | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
+        raise bad_request(name, f"{name} must be a list of non-negative token ids")
+    return tuple(value)
+
+
+def _logprobs(kind: str, body: dict) -> bool:
+    if kind == "chat":
+        wanted = _bool(body, "logprobs", False)
+        top = _int(body, "top_logprobs", None, 0)
+        if top is not None and not wanted:
+            raise bad_request("top_logprobs", "top_logprobs needs logprobs=true")
+        name = "top_logprobs"
+    else:
+        top = _int(body, "logprobs", None, 0)
+        wanted = top is not None
+        name = "logprobs"
+    if top is not None and top > MAX_TOP_LOGPROBS:
+        raise bad_request(name, f"{name}={top} is not supported: this server returns the exact logprob of each "
+                          "sampled token, not alternatives (the engine computes no top-k list). Fix: use "
+                          f"{name}={MAX_TOP_LOGPROBS}" + (" (or logprobs=true without top_logprobs)"
+                                                          if kind == "chat" else ""))
+    return wanted
+
+
+def _include_usage(body: dict, stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise bad_request("stream_options", "stream_options is only allowed with stream=true")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise bad_request("stream_options", "stream_options must be {\"include_usage\": true|false}")
+    return _bool(options, "include_usage", False)
+
+
+def _tools(body: dict) -> list[dict] | None:
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("tools", "tools must be a list of {\"type\": \"function\", \"function\": {...}} objects")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict) \
+                or not isinstance(function.get("name"), str):
+            raise bad_request(f"tools[{i}]", "each tool must be {\"type\": \"function\", \"function\": {\"name\": "
+                              "..., \"parameters\": {...}}}")
+    return tools or None
+
+
+def _tool_choice(body: dict) -> str:
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto"
+    if choice in TOOL_CHOICES:
+        return choice
+    raise bad_request("tool_choice", f"tool_choice={choice!r} is not supported: forcing a call needs constrained "
+                      "decoding, which this engine does not do. Fix: use \"auto\" (calls are parsed when the model "
+                      "makes them) or \"none\"")
+
+
+def _episode_id(body: dict, headers: dict[str, str]) -> str | None:
+    value = body.get("episode_id", headers.get(EPISODE_HEADER))
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise bad_request("episode_id", "episode_id must be a non-empty string")
+    return value

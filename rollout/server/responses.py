@@ -1,0 +1,136 @@
+"""The JSON bodies the server answers with: OpenAI's chat.completion / text_completion objects and their streamed
+chunks, plus the extensions every choice carries (unless the request says `return_token_ids: false`):
+
+    token_ids        the sampled token ids of the choice (vLLM's name)
+    token_versions   the policy version whose weights produced each of them
+    policy_version   the oldest of those (the version of the whole choice when no update landed mid-way)
+    prompt_token_ids the prompt as the engine saw it (chat: top level, as vLLM; completions: in each choice)
+
+`logprobs` values are the engine's exact full-vocabulary log p(token) under log_softmax(logits / T) (T = 1 for
+greedy), the same numbers `RolloutBatch.logprobs` holds; `top_logprobs` lists are empty (protocol.MAX_TOP_LOGPROBS).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .choices import Choice, Delta, Detokenizer
+from .protocol import Request
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def chat_logprobs(ids: list[int], logprobs: list[float], detok: Detokenizer) -> dict:
+    content = []
+    for token, value in zip(ids, logprobs):
+        piece = detok.piece(token)
+        content.append({"token": piece, "logprob": value, "bytes": list(piece.encode("utf-8")), "top_logprobs": []})
+    return {"content": content}
+
+
+def completion_logprobs(ids: list[int], logprobs: list[float], detok: Detokenizer, offset: int = 0) -> dict:
+    pieces = [detok.piece(t) for t in ids]
+    offsets, at = [], offset
+    for piece in pieces:
+        offsets.append(at)
+        at += len(piece)
+    return {"tokens": pieces, "token_logprobs": list(logprobs), "top_logprobs": None,
+            "text_offset": offsets}
+
+
+def extensions(request: Request, ids: list[int], versions: list[int], final: bool = True) -> dict:
+    if not request.return_token_ids:
+        return {}
+    out: dict[str, Any] = {"token_ids": ids, "token_versions": versions}
+    if final:
+        out["policy_version"] = min(versions) if versions else None
+    return out
+
+
+def chat_response(request: Request, rid: str, created: int, model: str, choices: list[Choice],
+                  detok: Detokenizer, cached_tokens: int) -> dict:
+    out_choices = []
+    for c in choices:
+        out_choices.append({
+            "index": c.index, "message": c.message, "finish_reason": c.finish_reason,
+            "logprobs": chat_logprobs(c.token_ids, c.logprobs, detok) if request.logprobs else None,
+            **extensions(request, c.token_ids, c.token_versions)})
+    body = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out_choices,
+            "usage": usage(len(choices[0].prompt_ids), sum(len(c.token_ids) for c in choices), cached_tokens)}
+    if request.return_token_ids:
+        body["prompt_token_ids"] = choices[0].prompt_ids
+    return body
+
+
+def completion_response(request: Request, rid: str, created: int, model: str, choices: list[Choice],
+                        detok: Detokenizer, cached_tokens: int) -> dict:
+    out_choices = []
+    for c in choices:
+        item = {"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
+                "logprobs": completion_logprobs(c.token_ids, c.logprobs, detok) if request.logprobs else None,
+                **extensions(request, c.token_ids, c.token_versions)}
+        if request.return_token_ids:
+            item["prompt_token_ids"] = c.prompt_ids
+        out_choices.append(item)
+    prompt_tokens = sum(len(c.prompt_ids) for c in choices[:: request.n])
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": out_choices,
+            "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices), cached_tokens)}
+
+
+class Chunks:
+    """The streamed chunks of one request (`data: {...}` events; the app adds `data: [DONE]`)."""
+
+    def __init__(self, request: Request, rid: str, created: int, model: str, detok: Detokenizer) -> None:
+        self.request, self.rid, self.created, self.model, self.detok = request, rid, created, model, detok
+        self.object = "chat.completion.chunk" if request.kind == "chat" else "text_completion"
+        self.offsets: dict[int, int] = {}  # completions: text offset of each choice so far
+
+    def _chunk(self, choices: list[dict], **extra) -> dict:
+        return {"id": self.rid, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+    def start(self, index: int, prompt_ids: list[int]) -> dict | None:
+        """Chat: the first chunk of a choice (the role); prompt ids ride on choice 0's."""
+        if self.request.kind != "chat":
+            return None
+        extra = {"prompt_token_ids": prompt_ids} if self.request.return_token_ids and index == 0 else {}
+        return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}], **extra)
+
+    def delta(self, index: int, delta: Delta, prompt_ids: list[int]) -> dict:
+        """Tokens of a choice as they come (with tools, content waits for the parsed message at the end)."""
+        req = self.request
+        ext = extensions(req, delta.token_ids, delta.token_versions, final=False)
+        if req.kind == "chat":
+            body: dict[str, Any] = {"content": delta.text} if delta.text and not req.parses_tools else {}
+            lp = chat_logprobs(delta.token_ids, delta.logprobs, self.detok) if req.logprobs else None
+            return self._chunk([{"index": index, "delta": body, "logprobs": lp, "finish_reason": None, **ext}])
+        offset = self.offsets.get(index, 0)
+        self.offsets[index] = offset + len(delta.text)
+        lp = completion_logprobs(delta.token_ids, delta.logprobs, self.detok, offset) if req.logprobs else None
+        first = {"prompt_token_ids": prompt_ids} if req.return_token_ids and offset == 0 and delta.token_ids else {}
+        return self._chunk([{"index": index, "text": delta.text, "logprobs": lp, "finish_reason": None, **ext,
+                             **first}])
+
+    def finish(self, choice: Choice) -> dict:
+        """The last chunk of a choice: its finish reason, policy version, and (chat with tools) the message."""
+        req = self.request
+        ext = {"policy_version": choice.policy_version} if req.return_token_ids else {}
+        if req.kind == "chat":
+            body: dict[str, Any] = {}
+            if req.parses_tools:
+                message = choice.message or {}
+                body = {k: v for k, v in message.items() if k != "role"}
+                if body.get("tool_calls"):
+                    body["tool_calls"] = [{"index": i, **c} for i, c in enumerate(body["tool_calls"])]
+            return self._chunk([{"index": choice.index, "delta": body, "logprobs": None,
+                                 "finish_reason": choice.finish_reason, **ext}])
+        return self._chunk([{"index": choice.index, "text": "", "logprobs": None,
+                             "finish_reason": choice.finish_reason, **ext}])
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+        return self._chunk([], usage=usage(prompt_tokens, completion_tokens, cached_tokens))

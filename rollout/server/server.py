@@ -1,0 +1,138 @@
+"""Server: the OpenAI-compatible endpoint over a RolloutWorker or a RolloutFleet, on uvicorn.
+
+    server = rollout.serve(worker, host="127.0.0.1", port=8000)   # background thread; returns once it listens
+    client = openai.OpenAI(base_url=server.url, api_key="-")       # server.url ends with /v1
+    ...                                                            # the trainer keeps training and updating
+    batch = server.take_episode("ep-17")                           # the episode's exact tokens, as a RolloutBatch
+    server.close()
+
+The server shares the rollout side with the trainer: a worker's weights updated in place keep serving, and calls in
+flight during an update behave as its `in_flight` mode says (each response says which version made every token).
+`rollout serve MODEL` (rollout/cli/serve.py) runs the same server in the foreground.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from ..loading import pad_token_id
+from .backend import backend_for
+from .chat import ChatFormat
+from .episodes import EpisodeBatch, EpisodeRecorder
+from .service import Limits, Service
+
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
+
+
+class Server:
+    """host / port: where to listen (loopback by default; port 0 picks a free one, see `port`). api_key: when set,
+    /v1/* needs `Authorization: Bearer <api_key>`. model_name: the name clients pass as `model` (default: the
+    checkpoint directory's name, else the model's `name_or_path`)."""
+
+    def __init__(self, rollouts: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | None = None,
+                 model_name: str | None = None, log_level: str = "warning") -> None:
+        uvicorn = _import("uvicorn")
+        from .app import build_app
+
+        tokenizer = getattr(rollouts, "tokenizer", None)
+        self.rollouts = rollouts
+        self.recorder = EpisodeRecorder(tokenizer, pad_token_id(tokenizer))
+        self.backend = backend_for(rollouts)
+        self.model_name = model_name or default_model_name(rollouts)
+        service = Service(self.backend, ChatFormat(tokenizer), self.recorder, self.model_name, limits_of(rollouts))
+        app = build_app(service, api_key, lambda: int(rollouts.policy_version))
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                                timeout_graceful_shutdown=2, lifespan="off")
+        self._uvicorn = uvicorn.Server(config)
+        self.host, self.port = host, port
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        """The base URL an OpenAI client takes (`http://HOST:PORT/v1`)."""
+        return f"http://{self.host}:{self.port}/v1"
+
+    def start(self, timeout: float = 60.0) -> "Server":
+        """Serve on a background thread; returns once the socket listens (or raises what stopped it)."""
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self._uvicorn.run()
+            except BaseException as error:  # noqa: BLE001  (reported to start(), which raises it)
+                errors.append(error)
+
+        self._thread = threading.Thread(target=run, daemon=True, name="rollout-serve")
+        self._thread.start()
+        while not self._uvicorn.started and self._thread.is_alive():
+            self._thread.join(0.01)
+            timeout -= 0.01
+            if timeout <= 0:
+                self.close()
+                raise TimeoutError("the server did not start listening in time")
+        if not self._uvicorn.started:
+            raise RuntimeError(f"the server could not start on {self.host}:{self.port}: "
+                               f"{errors[0] if errors else 'uvicorn exited (is the port in use?)'}")
+        self.port = self._uvicorn.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def run(self) -> None:
+        """Serve in this thread until Ctrl-C / SIGTERM (`rollout serve`)."""
+        self._uvicorn.run()
+        self.backend.close()
+
+    def episodes(self) -> EpisodeRecorder:
+        """The collector of recorded episodes: `ids()`, `get(ids)`, `take(ids)`, `discard(id)`, `len()`."""
+        return self.recorder
+
+    def take_episode(self, episode_id: str | Sequence[str]) -> EpisodeBatch:
+        """The recorded episode (or episodes, rows in the order given) as a RolloutBatch, forgotten here."""
+        return self.recorder.take(episode_id)
+
+    def close(self) -> None:
+        """Stop listening; requests in flight are cancelled (the rollout side is the caller's: it stays open)."""
+        self._uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self.backend.close()
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def serve(rollouts: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | None = None,
+          model_name: str | None = None) -> Server:
+    """Serve `rollouts` (a RolloutWorker or RolloutFleet) over OpenAI's HTTP API on a background thread."""
+    return Server(rollouts, host, port, api_key, model_name).start()
+
+
+def default_model_name(rollouts: Any) -> str:
+    model = getattr(rollouts, "model", None)
+    path = getattr(getattr(model, "config", None), "name_or_path", "") or ""
+    return os.path.basename(os.path.normpath(path)) if path else "rollout"
+
+
+def limits_of(rollouts: Any) -> Limits:
+    """What the rollout side holds: vocabulary, the longest request, the model's EOS ids."""
+    context = getattr(rollouts, "max_context", None)
+    capacity = int(rollouts.max_request_tokens)
+    stop = getattr(rollouts, "default_stop_ids", None)
+    if stop is None:
+        eos = getattr(getattr(rollouts, "tokenizer", None), "eos_token_id", None)
+        stop = () if eos is None else (eos,)
+    return Limits(int(rollouts.vocab_size), capacity if context is None else min(int(context), capacity),
+                  tuple(stop))
+
+
+def _import(name: str):
+    try:
+        return __import__(name)
+    except ImportError:
+        raise ImportError(f"rollout's server needs {name}. Fix: pip install 'rollout[serve]' (fastapi, "
+                          "uvicorn)") from None

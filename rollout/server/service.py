@@ -1,0 +1,228 @@
+"""Service: what the server does with one parsed request, apart from HTTP.
+
+    prepared = service.prepare(request)        # prompt ids and SamplingParams, every check done (400s raised here)
+    body = await service.complete(request, prepared)          # the chat.completion / text_completion object
+    async for event in service.stream(request, prepared):     # the chunks, then "[DONE]"
+
+A request becomes one engine call: its prompts (one for chat; one or more for completions), each with the request's
+SamplingParams. Chat prompts are rendered by the tokenizer's chat template; a chat request of an episode whose
+messages continue the episode's last call (the same messages, the assistant message the server returned, then new
+ones) is prompted with that call's prompt + the tokens the model sampled + the rendering of the new messages, so
+its history is never re-tokenized and its prefix is in the engine's prefix cache.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import CancelledError
+from dataclasses import dataclass
+from typing import Any
+
+from ..params import SamplingParams
+from .backend import Generation
+from .chat import ChatFormat, normalize, same_message
+from .choices import Choice, Detokenizer, Diverged, StreamedChoice, choice_of
+from .episodes import EpisodeRecorder
+from .errors import ApiError, bad_request, from_value_error
+from .protocol import Request
+from .responses import Chunks, chat_response, completion_response
+
+API_NAMES = {"max_new_tokens": "max_tokens", "prompt": "prompt_token_ids"}  # rollout's field -> the request's
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the rollout side can hold: token ids below `vocab_size`; prompt + completion <= `max_tokens`."""
+
+    vocab_size: int
+    max_tokens: int
+    stop_ids: tuple[int, ...]  # the model's EOS
+
+
+@dataclass(frozen=True)
+class Prepared:
+    prompts: list[list[int]]
+    sampling: SamplingParams
+    detok: Detokenizer
+
+
+class Service:
+    def __init__(self, backend: Any, chat: ChatFormat, recorder: EpisodeRecorder, model_name: str,
+                 limits: Limits) -> None:
+        self.backend, self.chat, self.recorder = backend, chat, recorder
+        self.model_name, self.limits = model_name, limits
+        self.tokenizer = chat.tokenizer
+
+    # ------------------------------------------------------------------ checks
+    def prepare(self, request: Request) -> Prepared:
+        if request.model != self.model_name:
+            raise ApiError(404, f"The model `{request.model}` does not exist. Fix: use `{self.model_name}` "
+                           "(GET /v1/models)", "model", "model_not_found")
+        if request.parses_tools and not self.chat.can_parse_tools:
+            raise bad_request("tools", "this tokenizer has no response_template, so tool calls cannot be parsed. "
+                              "Fix: set one (e.g. trl.chat_template_utils.add_response_schema(tokenizer)) before "
+                              "serving, or send tool_choice=\"none\"")
+        if request.stop and self.tokenizer is None:
+            raise bad_request("stop", "stop strings need a tokenizer. Fix: use stop_token_ids")
+        prompts = self._prompts(request)
+        for ids in prompts:
+            bad = [t for t in ids if not 0 <= t < self.limits.vocab_size]
+            if bad:
+                raise bad_request(self._prompt_field(request), f"token id {bad[0]} is outside the vocabulary "
+                                  f"[0, {self.limits.vocab_size})")
+        sampling = self._sampling(request, max(len(p) for p in prompts))
+        return Prepared(prompts, sampling, Detokenizer(self.tokenizer, request.stop))
+
+    def _prompts(self, request: Request) -> list[list[int]]:
+        if request.messages is not None:
+            return [self._continuation(request) or self.chat.render(request.messages, request.tools)]
+        if any(isinstance(p, str) for p in request.prompts) and self.tokenizer is None:
+            raise bad_request("prompt", "text prompts need a tokenizer. Fix: send token ids")
+        return [list(self.tokenizer(p, add_special_tokens=False)["input_ids"]) if isinstance(p, str) else p
+                for p in request.prompts]
+
+    def _continuation(self, request: Request) -> list[int] | None:
+        last = self.recorder.last(request.episode_id) if request.episode_id is not None else None
+        messages = request.messages
+        if last is None or last.tools != request.tools or len(messages) <= len(last.messages) + 1:
+            return None
+        k = len(last.messages)
+        if normalize(messages[:k]) != normalize(last.messages):
+            return None
+        for choice in last.choices:
+            if choice.message is not None and same_message(messages[k], choice.message):
+                return self.chat.continuation(last.messages, messages, request.tools, last.prompt_ids,
+                                              choice.token_ids)
+        return None
+
+    def _sampling(self, request: Request, prompt_len: int) -> SamplingParams:
+        limit = self.limits.max_tokens
+        room = limit - prompt_len
+        field = self._prompt_field(request)
+        if room < 1:
+            raise bad_request(field, f"This model's maximum context length is {limit} tokens, and the prompt has "
+                              f"{prompt_len}: no room for a completion. Fix: shorten the prompt",
+                              "context_length_exceeded")
+        max_tokens = request.max_tokens if request.max_tokens is not None else room
+        if max_tokens > room:
+            name = request.max_tokens_param
+            raise bad_request(name, f"This model's maximum context length is {limit} tokens. However, you requested "
+                              f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
+                              f"completion). Fix: use {name} <= {room}", "context_length_exceeded")
+        try:
+            return SamplingParams(n=request.n, temperature=request.temperature, top_k=request.top_k,
+                                  top_p=request.top_p, max_new_tokens=max_tokens, seed=request.seed,
+                                  stop_token_ids=self._stop_ids(request))
+        except ValueError as error:
+            raise from_value_error(error, API_NAMES) from None
+
+    def _stop_ids(self, request: Request) -> tuple[int, ...]:
+        ids = [] if request.ignore_eos else list(self.limits.stop_ids)
+        if request.kind == "chat" and not request.ignore_eos:
+            ids += self.chat.end_of_turn
+        ids += request.stop_token_ids or ()
+        for text in request.stop:  # a stop string that is one token also stops the engine at once
+            encoded = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(encoded) == 1 and self.tokenizer.decode(encoded) == text:
+                ids += encoded
+        return tuple(dict.fromkeys(ids))
+
+    @staticmethod
+    def _prompt_field(request: Request) -> str:
+        if request.messages is not None:
+            return "messages"
+        return "prompt" if request.kind == "completion" and request.prompts is not None else "prompt_token_ids"
+
+    # ------------------------------------------------------------------ running
+    async def start(self, request: Request, prepared: Prepared) -> Generation:
+        try:
+            return await self.backend.start(prepared.prompts, [prepared.sampling] * len(prepared.prompts),
+                                            request.stream)
+        except ValueError as error:  # the rollout side's own checks (the KV cache's limit, ...)
+            raise from_value_error(error, API_NAMES) from None
+
+    async def complete(self, request: Request, prepared: Prepared, generation: Generation) -> dict:
+        try:
+            batch = await _result(generation)
+        finally:
+            generation.cancel()  # a no-op once it is over; else the client left: stop its work
+        choices = self._choices(request, prepared, batch)
+        self._record(request, choices)
+        rid, created = _ids(request)
+        build = chat_response if request.kind == "chat" else completion_response
+        return build(request, rid, created, self.model_name, choices, prepared.detok,
+                     int(batch.stats.get("reused_tokens", 0)))
+
+    async def stream(self, request: Request, prepared: Prepared, generation: Generation) -> AsyncIterator[dict | str]:
+        rid, created = _ids(request)
+        chunks = Chunks(request, rid, created, self.model_name, prepared.detok)
+        n = request.n
+        states = {i: StreamedChoice(i, prepared.detok) for i in range(n * len(prepared.prompts))}
+        try:
+            for i in states:
+                chunk = chunks.start(i, prepared.prompts[i // n])
+                if chunk is not None:
+                    yield chunk
+            while (item := await generation.progress.get()) is not None:
+                p, s, ids, logprobs, versions = item
+                delta = states[p * n + s].advance(ids, logprobs, versions)
+                if delta is not None:
+                    yield chunks.delta(p * n + s, delta, prepared.prompts[p])
+            batch = await _result(generation)
+            choices = self._choices(request, prepared, batch)
+            for c in choices:
+                delta = states[c.index].advance(c.token_ids, c.logprobs, c.token_versions, final=True)
+                if delta is not None:
+                    yield chunks.delta(c.index, delta, c.prompt_ids)
+                yield chunks.finish(c)
+            if request.include_usage:
+                yield chunks.usage(sum(len(p) for p in prepared.prompts), sum(len(c.token_ids) for c in choices),
+                                   int(batch.stats.get("reused_tokens", 0)))
+            self._record(request, choices)
+            yield "[DONE]"
+        except Diverged as error:
+            yield ApiError(500, f"{error}: a weight update with in_flight=\"abort\" restarted it on new weights, and "
+                           "streamed tokens cannot be taken back. Fix: retry the request, or update with "
+                           "in_flight=\"recompute\"/\"wait\" while streaming", code="aborted_by_weight_update",
+                           type="server_error").body()
+        except ApiError as error:
+            yield error.body()
+        finally:
+            generation.cancel()
+
+    def _choices(self, request: Request, prepared: Prepared, batch) -> list[Choice]:
+        choices = []
+        for i, row in enumerate(batch.rows()):
+            choice = choice_of(i, row, prepared.detok)
+            if request.kind == "chat":
+                choice.message = self.chat.message(choice.token_ids, choice.text, choice.prompt_ids,
+                                                   request.tools if request.parses_tools else None)
+                if choice.message.get("tool_calls"):
+                    choice.finish_reason = "tool_calls"
+            choices.append(choice)
+        return choices
+
+    def _record(self, request: Request, choices: list[Choice]) -> None:
+        if request.episode_id is None:
+            return
+        n = request.n
+        for start in range(0, len(choices), n):
+            group = choices[start: start + n]
+            self.recorder.record(request.episode_id, group[0].prompt_ids, group, request.messages, request.tools)
+
+
+async def _result(generation: Generation):
+    try:
+        return await generation.result()
+    except CancelledError:
+        raise ApiError(503, "the request was cancelled (the server is closing)", code="cancelled",
+                       type="server_error") from None
+    except RuntimeError as error:  # a sample failed past the worker's retries
+        raise ApiError(500, f"generation failed: {error}", code="generation_failed", type="server_error") from None
+
+
+def _ids(request: Request) -> tuple[str, int]:
+    prefix = "chatcmpl" if request.kind == "chat" else "cmpl"
+    return f"{prefix}-{uuid.uuid4().hex}", int(time.time())

@@ -1,0 +1,365 @@
+"""Mixtures of experts: exact rollouts on tiny Qwen3-MoE, OLMoE and Mixtral models, routing recorded by the engine's
+own forward (prefix hits, forks, preemption, episodes), and routing replay in the trainer's forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import reference_logprobs
+from rollout import RolloutBatch, RolloutWorker, SamplingParams, Turn, WorkerConfig, replay_routing
+from rollout.moe import Routing, find_routers
+from rollout.moe import capture_routing
+from rollout.testing import build_tiny_model, load_tiny_model
+from trainers_integration.forward import completion_logprobs, pack
+
+TOL = 1e-5
+FAMILIES = ("qwen3_moe", "olmoe", "mixtral")
+
+
+@pytest.fixture(scope="session")
+def moe_paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {arch: build_tiny_model(root / arch, arch=arch) for arch in FAMILIES}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def moe(request, moe_paths):
+    """A worker recording routing on a tiny MoE model shared in place (fp32, CPU)."""
+    model, tok = load_tiny_model(moe_paths[request.param])
+    worker = RolloutWorker(model, WorkerConfig(page_size=16, max_batch_tokens=256, record_routing=True), tokenizer=tok)
+    yield worker
+    worker.close()
+
+
+def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, 500, (n,), generator=gen).tolist() for n in lengths]
+
+
+def row_tokens(batch: RolloutBatch, r: int) -> list[int]:
+    return list(batch.prompt_ids[r]) + batch.completion_ids[r, : int(batch.completion_lengths[r])].tolist()
+
+
+def own_routing(model, tokens: list[int]) -> torch.Tensor:
+    """The trainer's routing of one row: a plain forward, (positions, layers, top_k) sorted expert ids."""
+    with torch.no_grad(), capture_routing(model) as captured:
+        model(torch.tensor([tokens]))
+    return captured[0].sort(dim=-1).values
+
+
+def agreement(batch: RolloutBatch, model) -> float:
+    """Fraction of (row, position, layer) whose recorded top-k set is the trainer's own."""
+    same = total = 0
+    for r in range(len(batch)):
+        tokens = row_tokens(batch, r)
+        recorded = batch.routing.rows[r].long().sort(dim=-1).values
+        assert recorded.shape[0] == len(tokens) - 1, "every fed position is recorded, no hole"
+        mine = own_routing(model, tokens)[: len(tokens) - 1]
+        equal = (recorded == mine).all(dim=-1)
+        same, total = same + int(equal.sum()), total + equal.numel()
+    return same / total
+
+
+def assert_exact(model, batch: RolloutBatch, temperature: float = 1.0) -> None:
+    for r, completion in enumerate(batch.completion_token_lists()):
+        full, _ = reference_logprobs(model, batch.prompt_ids[r], completion, temperature)
+        gap = (batch.logprobs[r, : len(completion)] - full).abs().max()
+        assert gap <= TOL, (r, float(gap))
+
+
+def test_moe_rollouts_are_exact_and_record_the_trainers_own_routing(moe):
+    params = [SamplingParams(n=3, temperature=1.0, max_new_tokens=14, ignore_eos=True),
+              SamplingParams(n=1, temperature=0.0, max_new_tokens=9, ignore_eos=True),
+              SamplingParams(n=2, temperature=0.8, max_new_tokens=12, ignore_eos=True, seed=5)]
+    batch = moe.generate(prompts_of([1, 33, 20]), sampling=params)
+    for r, p in enumerate(params[int(i)] for i in batch.prompt_index):
+        full, _ = reference_logprobs(moe.model, batch.prompt_ids[r], batch.completion_token_lists()[r], p.temperature)
+        assert (batch.logprobs[r, : len(full)] - full).abs().max() <= TOL
+    routing = batch.routing
+    names = tuple(r.name for r in find_routers(moe.model))
+    assert routing.layers == names and len(names) == 2 and routing.top_k == 2
+    assert all(row.dtype == torch.uint8 for row in routing.rows)
+    assert routing.bytes_per_token == 4
+    assert agreement(batch, moe.model) >= 0.999
+
+
+def test_prefix_hits_and_forked_samples_keep_full_routing(moe):
+    prompts = prompts_of([40, 37], seed=3)  # 2 full pages each: a re-sent prompt hits them
+    sampling = SamplingParams(n=4, temperature=1.0, max_new_tokens=8, ignore_eos=True)
+    first = moe.generate(prompts, sampling=sampling)
+    second = moe.generate(prompts, sampling=sampling)
+    assert second.stats["reused_tokens"] >= 64, second.stats
+    for batch in (first, second):
+        assert agreement(batch, moe.model) >= 0.999
+    # the cached positions carry the routing their first computation recorded
+    for r in range(len(second)):
+        p = len(second.prompt_ids[r]) - 1
+        assert torch.equal(second.routing.rows[r][:p], first.routing.rows[r][:p])
+
+
+def test_preempted_and_restarted_requests_keep_full_routing(moe_paths, monkeypatch):
+    from transformers.generation.continuous_batching.requests import RequestState
+
+    model, tok = load_tiny_model(moe_paths["qwen3_moe"])
+    resets = []
+    original = RequestState.create_equivalent_initial_request
+    monkeypatch.setattr(RequestState, "create_equivalent_initial_request",
+                        lambda self: resets.append(self.generated_len()) or original(self))
+    config = WorkerConfig(page_size=4, num_blocks=24, max_batch_tokens=32, record_routing=True)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=20, ignore_eos=True)
+    with RolloutWorker(model, config, tokenizer=tok) as worker:
+        batch = worker.generate(prompts_of([9, 3, 10, 7, 8, 5, 9, 10], seed=9), params)
+    assert any(n > 0 for n in resets), "requests were preempted mid-decode and re-prefilled"
+    assert_exact(model, batch)
+    assert agreement(batch, model) >= 0.999
+
+
+class Echo:
+    def __init__(self, prompt_index: int, sample_index: int) -> None:
+        self.turn = 0
+
+    def step(self, completion_ids: list[int]) -> Turn:
+        self.turn += 1
+        return Turn(observation_ids=[(37 * self.turn + i) % 480 + 10 for i in range(11)], reward=1.0)
+
+
+def test_episodes_record_routing_over_observations_too(moe_paths):
+    model, tok = load_tiny_model(moe_paths["olmoe"])
+    with RolloutWorker(model, WorkerConfig(page_size=16, record_routing=True), tokenizer=tok) as worker:
+        batch = worker.generate(prompts_of([12, 30]), SamplingParams(n=2, max_new_tokens=6, ignore_eos=True),
+                                env=Echo, max_turns=3)
+    assert batch.num_turns.tolist() == [3] * 4
+    assert (~batch.action_mask & batch.completion_mask).any(), "observations are part of the rows"
+    assert agreement(batch, model) >= 0.999
+
+
+def test_rows_round_trip_keeps_routing(moe):
+    batch = moe.generate(prompts_of([5, 9]), SamplingParams(n=2, max_new_tokens=4, ignore_eos=True))
+    again = RolloutBatch.from_rows(batch.rows())
+    assert again.routing.layers == batch.routing.layers
+    assert all(torch.equal(a, b) for a, b in zip(again.routing.rows, batch.routing.rows))
+
+
+def test_recording_is_refused_for_a_dense_model_and_an_unknown_router(tiny_path, moe_paths):
+    dense, _ = load_tiny_model(tiny_path)
+    with pytest.raises(ValueError, match="LlamaForCausalLM: it has no mixture-of-experts router"):
+        RolloutWorker(dense, WorkerConfig(record_routing=True))
+    model, _ = load_tiny_model(moe_paths["qwen3_moe"])
+    router = model.model.layers[1].mlp.gate
+
+    def sigmoid_router(hidden):  # DeepSeek-style gates: not the softmax form the recorder understands
+        logits = torch.nn.functional.linear(hidden, router.weight)
+        scores, indices = torch.topk(logits.sigmoid(), router.top_k, dim=-1)
+        return logits, scores, indices
+
+    router.forward = sigmoid_router
+    with pytest.raises(ValueError, match=r"Qwen3MoeForCausalLM: its router 'model.layers.1.mlp.gate' "
+                                         r"\(Qwen3MoeTopKRouter\) does not follow the form"):
+        RolloutWorker(model, WorkerConfig(record_routing=True))
+
+
+def test_recording_off_leaves_no_hooks_and_on_removes_them_at_close(moe_paths):
+    model, tok = load_tiny_model(moe_paths["mixtral"])
+    routers = [r.module for r in find_routers(model)]
+    with RolloutWorker(model, WorkerConfig(page_size=16), tokenizer=tok) as worker:
+        assert all(not r._forward_hooks for r in routers)
+        assert worker.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3)).routing is None
+    with RolloutWorker(model, WorkerConfig(page_size=16, record_routing=True), tokenizer=tok) as worker:
+        assert all(r._forward_hooks for r in routers)
+    assert all(not r._forward_hooks for r in routers) and not model._forward_hooks and not model._forward_pre_hooks
+
+
+# ---------------------------------------------------------------------------------------------- replay
+
+
+def perturbed(model, scale: float = 0.3, seed: int = 1):
+    """A copy of the model whose routers' weights are nudged: its own routing differs from the recording. (Built
+    fresh, not deep-copied: the live worker's hooks on the shared model must not come along.)"""
+    other = type(model)(model.config)
+    other.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for router in find_routers(other):
+            router.module.weight.add_(scale * torch.randn(router.module.weight.shape, generator=gen))
+    return other
+
+
+def trainer_forward(model, batch: RolloutBatch, rows=slice(None)):
+    packed = pack(batch.prompt_ids[rows], batch.completion_ids[rows], batch.completion_mask[rows], 0)
+    return packed, completion_logprobs(model, packed)[0]
+
+
+def test_replay_forces_the_recorded_experts_under_perturbed_router_weights(moe):
+    batch = moe.generate(prompts_of([7, 21, 16]), SamplingParams(n=2, max_new_tokens=10, ignore_eos=True))
+    trainer = perturbed(moe.model)
+    packed, _ = trainer_forward(trainer, batch)
+    width = packed.input_ids.shape[1]
+    with torch.no_grad(), capture_routing(trainer) as unreplayed:
+        trainer_forward(trainer, batch)
+    with replay_routing(trainer, batch), capture_routing(trainer) as replayed:
+        _, logp = trainer_forward(trainer, batch)
+    flips = 0
+    for r, row in enumerate(batch.routing.rows):
+        n = row.shape[0]
+        got = replayed[0].view(len(batch), width, *row.shape[1:])[r, :n]
+        assert torch.equal(got.sort(-1).values, row.long().sort(-1).values)
+        own = unreplayed[0].view(len(batch), width, *row.shape[1:])[r, :n]
+        flips += int((own.sort(-1).values != row.long().sort(-1).values).any(-1).sum())
+    assert flips > 0, "the perturbed router alone would pick other experts"
+    # gate weights come from the trainer's router: gradients reach it
+    (logp * packed.mask).sum().backward()
+    assert all(r.module.weight.grad is not None and r.module.weight.grad.abs().sum() > 0
+               for r in find_routers(trainer))
+
+
+def test_replay_on_the_rollout_model_reproduces_its_logprobs_and_leaves_it_untouched(moe):
+    batch = moe.generate(prompts_of([6, 18]), SamplingParams(n=2, max_new_tokens=8, ignore_eos=True))
+    hooks = [len(r.module._forward_hooks) for r in find_routers(moe.model)]  # the live recorder's
+    with torch.no_grad():
+        _, before = trainer_forward(moe.model, batch)
+        with replay_routing(moe.model, batch, rows=[1, 2]):
+            _, micro = trainer_forward(moe.model, batch, rows=slice(1, 3))
+        _, after = trainer_forward(moe.model, batch)
+    mask = batch.completion_mask
+    assert (micro - batch.logprobs[1:3]).abs()[mask[1:3]].max() <= TOL
+    assert torch.equal(before, after)
+    assert [len(r.module._forward_hooks) for r in find_routers(moe.model)] == hooks
+
+
+def test_replay_under_a_ddp_style_wrapper_and_peft_names(moe):
+    class Wrapper(torch.nn.Module):  # what DDP looks like from outside: the model under `module.`
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, **kwargs):
+            return self.module(**kwargs)
+
+    batch = moe.generate(prompts_of([9]), SamplingParams(n=2, max_new_tokens=6, ignore_eos=True))
+    wrapped = Wrapper(perturbed(moe.model))
+    with torch.no_grad(), replay_routing(wrapped, batch), capture_routing(wrapped) as seen:
+        trainer_forward(wrapped, batch)
+    width = seen[0].shape[0] // len(batch)
+    for r, row in enumerate(batch.routing.rows):
+        got = seen[0].view(len(batch), width, *row.shape[1:])[r, : row.shape[0]]
+        assert torch.equal(got.sort(-1).values, row.long().sort(-1).values)
+
+
+def test_replay_rejects_a_mismatch_before_any_forward(moe, moe_paths):
+    batch = moe.generate(prompts_of([8, 5]), SamplingParams(n=1, max_new_tokens=5, ignore_eos=True))
+    routed = []
+    model = moe.model
+    with capture_routing(model) as routed:
+        with pytest.raises(ValueError, match=r"input has shape \(2, 6\)"):
+            with replay_routing(model, batch):
+                model(input_ids=torch.zeros((2, 6), dtype=torch.long))
+        swapped = pack([batch.prompt_ids[1], batch.prompt_ids[0]], batch.completion_ids[[1, 0]],
+                       batch.completion_mask[[1, 0]], 0)
+        with pytest.raises(ValueError, match="row 0 of the forward has token"):
+            with replay_routing(model, batch):
+                model(input_ids=swapped.input_ids, attention_mask=swapped.attention_mask)
+        assert routed == [], "no router ran"
+    other_arch = "mixtral" if batch.routing.num_experts == 8 else "olmoe"
+    other, _ = load_tiny_model(moe_paths[other_arch])
+    with pytest.raises(ValueError, match="experts|another model"):
+        with replay_routing(other, batch):
+            pass
+    unrecorded = RolloutBatch.from_rows([dict_row(r) for r in batch.rows()])
+    with pytest.raises(ValueError, match="batch.routing=None"):
+        with replay_routing(model, unrecorded):
+            pass
+    short = RolloutBatch.from_rows(batch.rows())
+    short = RolloutBatch(**{**short.__dict__, "routing": Routing(
+        short.routing.layers, short.routing.num_experts, short.routing.top_k,
+        (short.routing.rows[0][:-1], short.routing.rows[1]))})
+    with pytest.raises(ValueError, match="batch row 0 has 13 tokens but routing for 11 positions"):
+        with replay_routing(model, short):
+            pass
+
+
+def dict_row(row):
+    from dataclasses import replace
+
+    return replace(row, routing=None)
+
+
+def test_score_returns_the_routing_of_its_own_forward(moe):
+    from rollout import score
+
+    batch = moe.generate(prompts_of([4, 19]), SamplingParams(n=2, max_new_tokens=7, ignore_eos=True))
+    logprobs, routing = score(moe.model, batch.prompt_ids, batch.completion_token_lists(), return_routing=True,
+                              max_batch_tokens=40)  # several packed batches
+    assert routing.layers == batch.routing.layers and len(routing) == len(batch)
+    for r, row in enumerate(routing.rows):
+        assert row.dtype == torch.uint8 and row.shape == batch.routing.rows[r].shape
+        assert torch.equal(row.long().sort(-1).values, own_routing(moe.model, row_tokens(batch, r))[:-1])
+        assert (logprobs[r] - batch.logprobs[r, : len(logprobs[r])]).abs().max() <= TOL
+    with torch.no_grad(), replay_routing(moe.model, RolloutBatch(**{**batch.__dict__, "routing": routing})):
+        _, replayed = trainer_forward(moe.model, batch)
+    assert (replayed - batch.logprobs).abs()[batch.completion_mask].max() <= TOL
+
+
+def test_grpo_with_routing_replay_learns_on_the_tiny_moe(moe_paths):
+    from trainers_integration.grpo import GRPOConfig, GRPOTrainer
+
+    model, tok = load_tiny_model(moe_paths["qwen3_moe"])
+    prompts = [tok.encode(p) for p in ("one plus two", "how many apples", "red blue green", "the cat is")]
+    config = GRPOConfig(num_generations=6, max_new_tokens=8, routing_replay=True, micro_batch_size=8)
+    worker = RolloutWorker(model, WorkerConfig(page_size=16, record_routing=True), tokenizer=tok)
+    low = 128  # reward: the share of completion tokens with an id below 128 (a quarter of the vocabulary)
+
+    def reward(batch):
+        hits = (batch.completion_ids < low) & batch.completion_mask
+        return hits.sum(1).float() / batch.completion_lengths.float()
+
+    with worker:
+        trainer = GRPOTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), reward, lambda step: prompts,
+                              worker, config)
+        history = trainer.train(10)
+    rewards = [m["reward_mean"] for m in history]
+    assert max(m["logprob_gap_max"] for m in history) < 1e-4
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
+
+
+def test_grpo_routing_replay_needs_recorded_rollouts(moe_paths):
+    from trainers_integration.grpo import GRPOConfig, GRPOTrainer
+
+    model, tok = load_tiny_model(moe_paths["olmoe"])
+    config = GRPOConfig(num_generations=2, max_new_tokens=4, routing_replay=True)
+    with RolloutWorker(model, WorkerConfig(page_size=16), tokenizer=tok) as worker:
+        trainer = GRPOTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                              lambda b: torch.zeros(len(b)), lambda step: [[5, 6, 7]], worker, config)
+        with pytest.raises(ValueError, match="routing_replay=True needs rollouts that recorded routing"):
+            trainer.step()
+
+
+def test_fleet_round_trip_carries_routing(moe_paths):
+    pytest.importorskip("ray")
+    from rollout import RolloutFleet
+
+    config = WorkerConfig(page_size=16, num_blocks=128, record_routing=True)
+    fleet = RolloutFleet(moe_paths["mixtral"], num_workers=1, config=config)
+    try:
+        batch = fleet.generate(prompts_of([6, 23]), SamplingParams(n=2, max_new_tokens=6, ignore_eos=True))
+    finally:
+        fleet.close()
+    local, _ = load_tiny_model(moe_paths["mixtral"])
+    assert batch.routing is not None and len(batch.routing) == 4 and batch.routing.bytes_per_token == 4
+    assert_exact(local, batch)
+    assert agreement(batch, local) >= 0.999
+
+
+def test_replay_on_a_peft_model_forces_the_recorded_experts(moe):
+    pytest.importorskip("peft")
+    from trainers_integration.lora import add_lora
+
+    batch = moe.generate(prompts_of([11]), SamplingParams(n=2, max_new_tokens=6, ignore_eos=True))
+    peft_model = add_lora(perturbed(moe.model), rank=4, target_modules=("q_proj", "v_proj"), seed=0)
+    assert find_routers(peft_model)[0].name == batch.routing.layers[0]  # PEFT's base_model.model. prefix removed
+    with torch.no_grad(), replay_routing(peft_model, batch), capture_routing(peft_model) as seen:
+        trainer_forward(peft_model, batch)
+    width = seen[0].shape[0] // len(batch)
+    for r, row in enumerate(batch.routing.rows):
+        got = seen[0].view(len(batch), width, *row.shape[1:])[r, : row.shape[0]]
+        assert torch.equal(got.sort(-1).values, row.long().sort(-1).values)

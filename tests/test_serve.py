@@ -1,0 +1,412 @@
+"""The OpenAI-compatible server, driven by the real `openai` client over loopback HTTP.
+
+The model is the tiny test model with the tool-speaking chat tokenizer, taught (rollout.testing.teach) to answer one
+prompt with a tool call, so the parsing paths run on tokens the model really sampled. Every number is checked against
+an independent reference: logprobs against a plain teacher-forced forward, token ids against the in-process worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import torch
+
+import rollout
+from conftest import reference_logprobs
+from rollout import RolloutWorker, SamplingParams, WorkerConfig
+from rollout.testing import build_chat_tokenizer, load_tiny_model, teach
+
+TOL = 1e-5
+USER = [{"role": "user", "content": "what is two plus three"}]
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call><|end|>'
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_chat_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def served(tiny_path, tok):
+    """(worker, server, client): the taught tiny model shared in place by a worker, served on a free port."""
+    model, _ = load_tiny_model(tiny_path)
+    prompt = tok.apply_chat_template(USER, tools=[ADD], add_generation_prompt=True, return_dict=False)
+    teach(model, [(prompt, tok.encode(CALL))], steps=60)
+    worker = RolloutWorker(model, WorkerConfig(page_size=16, max_batch_tokens=128), tokenizer=tok)
+    server = rollout.serve(worker, port=0, model_name="tiny")
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=600)
+    yield worker, server, client
+    server.close()
+    worker.close()
+
+
+def http(url: str, data: bytes | None = None) -> tuple[int, dict]:
+    """A raw request (what the openai client would never send), without the client: (status, JSON body)."""
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def chat(client, **kwargs):
+    return client.chat.completions.create(**{"model": "tiny", "messages": USER, **kwargs})
+
+
+def assert_exact(model, prompt_ids, token_ids, logprobs, temperature=1.0):
+    full, _ = reference_logprobs(model, prompt_ids, token_ids, temperature=temperature)
+    gap = float((torch.tensor(logprobs) - full).abs().max())
+    assert gap <= TOL, gap
+
+
+# ---------------------------------------------------------------------------------------------- responses
+def test_chat_n_samples_carry_prompt_ids_token_ids_versions_and_exact_logprobs(served, tok):
+    worker, _, client = served
+    r = chat(client, n=3, temperature=0.9, max_tokens=12, logprobs=True, seed=5, extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion" and r.model == "tiny" and len(r.choices) == 3
+    prompt = r.model_extra["prompt_token_ids"]
+    assert prompt == tok.apply_chat_template(USER, add_generation_prompt=True, return_dict=False)
+    for i, c in enumerate(r.choices):
+        ids = c.model_extra["token_ids"]
+        assert c.index == i and len(ids) == 12 and c.finish_reason == "length"
+        assert c.message.content == tok.decode(ids, skip_special_tokens=True)
+        assert c.model_extra["token_versions"] == [worker.policy_version] * 12
+        assert c.model_extra["policy_version"] == worker.policy_version
+        values = [t.logprob for t in c.logprobs.content]
+        assert [t.token for t in c.logprobs.content] == [tok.decode([t]) for t in ids]
+        assert all(t.top_logprobs == [] for t in c.logprobs.content)
+        assert_exact(worker.model, prompt, ids, values, temperature=0.9)
+    assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == 36
+    # the same seed through the in-process worker gives the same tokens: seeded streams are keyed on the sample
+    batch = worker.generate([prompt], SamplingParams(n=3, temperature=0.9, max_new_tokens=12, seed=5,
+                                                     stop_token_ids=()))
+    assert batch.completion_token_lists() == [c.model_extra["token_ids"] for c in r.choices]
+
+
+def test_completions_several_prompts_and_token_ids_in_and_out(served, tok):
+    worker, _, client = served
+    r = client.completions.create(model="tiny", prompt=["the cat", "two dogs"], n=2, max_tokens=6, logprobs=0,
+                                  seed=1, temperature=1.0, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    prompts = [tok.encode("the cat"), tok.encode("two dogs")]
+    for c in r.choices:
+        prompt = c.model_extra["prompt_token_ids"]
+        assert prompt == prompts[c.index // 2]
+        assert c.text == tok.decode(c.model_extra["token_ids"], skip_special_tokens=True)
+        assert_exact(worker.model, prompt, c.model_extra["token_ids"], c.logprobs.token_logprobs)
+    assert r.usage.prompt_tokens == sum(map(len, prompts)) and r.usage.completion_tokens == 24
+    # token ids in, as `prompt` or as the prompt_token_ids extension: the same seeded tokens come out
+    by_ids = client.completions.create(model="tiny", prompt=prompts[1], max_tokens=6, seed=1,
+                                       extra_body={"ignore_eos": True}, n=2)
+    assert [c.model_extra["token_ids"] for c in by_ids.choices] == [c.model_extra["token_ids"] for c in r.choices[2:]]
+    chat_ids = chat(client, messages=None, max_tokens=5, temperature=0, extra_body={"prompt_token_ids": prompts[0]})
+    greedy = worker.generate([prompts[0]], SamplingParams(temperature=0, max_new_tokens=5,
+                                                          stop_token_ids=worker.default_stop_ids + (tok.convert_tokens_to_ids("<|end|>"),)))
+    assert chat_ids.model_extra["prompt_token_ids"] == prompts[0]
+    assert chat_ids.choices[0].model_extra["token_ids"] == greedy.completion_token_lists()[0]
+
+
+def test_stop_strings_cut_text_and_tokens_where_the_string_completes(served, tok):
+    _, _, client = served
+    free = chat(client, max_tokens=24, seed=3, extra_body={"ignore_eos": True})
+    ids = free.choices[0].model_extra["token_ids"]
+    text = free.choices[0].message.content
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert len(stop) == 3 and stop.strip()
+    cut = chat(client, max_tokens=24, seed=3, stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+    kept = cut.model_extra["token_ids"]
+    assert cut.finish_reason == "stop" and cut.message.content == text[: text.find(stop)]
+    assert kept == ids[: len(kept)] and stop in tok.decode(kept) and stop not in tok.decode(kept[:-1])
+
+
+def test_streamed_chunks_add_up_to_the_same_completion(served):
+    _, _, client = served
+    whole = chat(client, n=2, max_tokens=10, seed=7, logprobs=True)
+    stream = chat(client, n=2, max_tokens=10, seed=7, logprobs=True, stream=True,
+                  stream_options={"include_usage": True})
+    text, ids, lps, finish, roles, usage = {0: "", 1: ""}, {0: [], 1: []}, {0: [], 1: []}, {}, set(), None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            roles.add(c.delta.role) if c.delta.role else None
+            text[c.index] += c.delta.content or ""
+            ids[c.index] += (c.model_extra or {}).get("token_ids", [])
+            lps[c.index] += [t.logprob for t in (c.logprobs.content if c.logprobs else [])]
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert roles == {"assistant"}
+    for c in whole.choices:
+        assert text[c.index] == c.message.content and ids[c.index] == c.model_extra["token_ids"]
+        assert lps[c.index] == [t.logprob for t in c.logprobs.content] and finish[c.index] == c.finish_reason
+    assert usage.completion_tokens == whole.usage.completion_tokens
+
+
+# ---------------------------------------------------------------------------------------------- tools
+def test_tool_calls_are_parsed_by_the_tokenizers_own_parser(served, tok):
+    _, _, client = served
+    r = chat(client, tools=[ADD], temperature=0, max_tokens=64)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    call = c.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "add" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"a": 2, "b": 3}
+    assert tok.decode(c.model_extra["token_ids"]) == CALL
+    streamed = list(chat(client, tools=[ADD], temperature=0, max_tokens=64, stream=True))
+    calls = [t for ch in streamed for choice in ch.choices for t in (choice.delta.tool_calls or [])]
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == [("add", {"a": 2, "b": 3})]
+    assert streamed[-1].choices[0].finish_reason == "tool_calls"
+    assert not any(choice.delta.content for ch in streamed for choice in ch.choices)  # no raw markup streamed
+    plain = chat(client, tools=[ADD], tool_choice="none", temperature=0, max_tokens=64).choices[0]
+    assert plain.finish_reason == "stop" and plain.message.tool_calls is None
+    assert plain.message.content == tok.decode(tok.encode(CALL), skip_special_tokens=True)
+    with pytest.raises(openai.BadRequestError) as error:
+        chat(client, tools=[ADD], tool_choice="required")
+    assert error.value.body["param"] == "tool_choice"
+
+
+# ---------------------------------------------------------------------------------------------- episodes
+def test_episode_turns_extend_the_sampled_tokens_and_come_back_as_segments(served, tok):
+    worker, server, client = served
+    first = chat(client, tools=[ADD], temperature=0, max_tokens=64, extra_body={"episode_id": "ep-1"})
+    message = first.choices[0].message.model_dump(exclude_none=True)
+    tool = {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "5"}
+    second_messages = USER + [message, tool]
+    second = chat(client, messages=second_messages, tools=[ADD], max_tokens=8, seed=2,
+                  extra_headers={"X-Episode-Id": "ep-1"}, extra_body={"ignore_eos": True})
+    p1, t1 = first.model_extra["prompt_token_ids"], first.choices[0].model_extra["token_ids"]
+    p2, t2 = second.model_extra["prompt_token_ids"], second.choices[0].model_extra["token_ids"]
+    observation = tok.encode("<|tool|>5<|end|><|assistant|>")  # the template's rendering of the tool message
+    assert p2 == p1 + t1 + observation
+    assert second.usage.prompt_tokens_details.cached_tokens >= 16  # the history's full pages: prefix cache
+    # the harness rewrites the history: not an extension, so a new segment with its whole prompt
+    edited = [{"role": "user", "content": "what is two plus four"}]
+    third = chat(client, messages=edited, max_tokens=5, seed=4, extra_body={"episode_id": "ep-1"})
+    chat(client, max_tokens=3, extra_body={"episode_id": "ep-2"})
+    assert server.episodes().ids() == ["ep-1", "ep-2"]
+    batch = server.take_episode("ep-1")
+    assert "ep-1" not in server.episodes() and len(server.episodes()) == 1
+    assert batch.episode_index.tolist() == [0, 0] and batch.segment_index.tolist() == [0, 1]
+    assert batch.prompt_ids == [p1, third.model_extra["prompt_token_ids"]]
+    rows = batch.completion_token_lists()
+    assert rows[0] == t1 + observation + t2 and rows[1] == third.choices[0].model_extra["token_ids"]
+    mask = batch.action_mask[0, : len(rows[0])].tolist()
+    assert mask == [True] * len(t1) + [False] * len(observation) + [True] * len(t2)
+    assert batch.num_turns.tolist() == [2, 1] and batch.finish_reason == ["length", "length"]
+    versions = batch.token_versions[0, : len(rows[0])]
+    assert (versions[~torch.tensor(mask)] == -1).all() and (versions[torch.tensor(mask)] == 0).all()
+    for r in range(2):  # the model's tokens are exact under a forward of the whole segment
+        n = len(rows[r])
+        full, _ = reference_logprobs(worker.model, batch.prompt_ids[r], rows[r])
+        at = batch.action_mask[r, :n]
+        assert float((batch.logprobs[r, :n][at] - full[at]).abs().max()) <= TOL
+        assert (batch.logprobs[r, :n][~at] == 0).all()
+    with pytest.raises(KeyError, match="ep-1"):
+        server.take_episode("ep-1")
+
+
+# ---------------------------------------------------------------------------------------------- failures
+def test_bad_requests_are_openai_errors_and_submit_nothing(served):
+    worker, server, client = served
+    before = worker.engine.num_prompt_tokens
+    cases = [
+        (dict(temperature=-1), 400, "temperature"),
+        (dict(presence_penalty=0.3), 400, "presence_penalty"),
+        (dict(logprobs=True, top_logprobs=2), 400, "top_logprobs"),
+        (dict(n=0), 400, "n"),
+        (dict(max_tokens=5000), 400, "max_tokens"),
+        (dict(messages=[{"role": "user", "content": "word " * 2000}]), 400, "messages"),
+        (dict(model="gpt-9"), 404, "model"),
+        (dict(extra_body={"frobnicate": 1}), 400, "frobnicate"),
+        (dict(extra_body={"prompt_token_ids": [1, 99999]}, messages=None), 400, "prompt_token_ids"),
+        (dict(stop=["x"], extra_body={"stop_token_ids": [99999]}), 400, "stop_token_ids"),
+    ]
+    for kwargs, status, param in cases:
+        with pytest.raises(openai.APIStatusError) as error:
+            chat(client, **kwargs)
+        assert error.value.status_code == status and error.value.body["param"] == param, (kwargs, error.value.body)
+        assert error.value.body["type"] == "invalid_request_error" and "message" in error.value.body
+    status, body = http(f"{server.url}/chat/completions", b"{not json")
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    assert http(f"{server.url}/nowhere") == (404, {"error": {"message": "Not Found", "type": "invalid_request_error",
+                                                              "param": None, "code": None}})
+    assert worker.engine.num_prompt_tokens == before  # nothing reached the engine
+    assert chat(client, max_tokens=2).choices[0].finish_reason in ("stop", "length")  # and it still serves
+
+
+def wait_until(condition, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_client_that_disconnects_cancels_its_request(served, monkeypatch):
+    from rollout.engine.runner import RolloutModelRunner
+
+    worker, _, client = served
+    engine = worker.engine
+    original = RolloutModelRunner._forward_process_and_sample
+
+    def slow(self, *args):  # 30 ms a step: the 900 tokens asked for would take ~30 s
+        time.sleep(0.03)
+        return original(self, *args)
+
+    monkeypatch.setattr(RolloutModelRunner, "_forward_process_and_sample", slow)
+    impatient = client.with_options(timeout=1.0)
+    start = time.monotonic()
+    with pytest.raises(openai.APITimeoutError):
+        chat(impatient, max_tokens=900, extra_body={"ignore_eos": True})
+    assert wait_until(lambda: not engine._pending and len(engine._ledger) == 0 and not engine._calls, 10)
+    streamed = chat(client, max_tokens=900, stream=True, extra_body={"ignore_eos": True})
+    chunks = [next(streamed) for _ in range(4)]
+    assert chunks[-1].choices[0].model_extra["token_ids"]
+    assert engine._pending
+    streamed.close()
+    assert wait_until(lambda: not engine._pending and len(engine._ledger) == 0 and not engine._calls, 10)
+    assert time.monotonic() - start < 20  # both were cancelled, not run to their 900 tokens
+
+
+def test_versions_after_an_update_that_lands_mid_stream(tiny_path, tok):
+    from test_async import gaps_by_version, perturbed
+
+    v0, _ = load_tiny_model(tiny_path)
+    v1, _ = load_tiny_model(tiny_path)
+    v1.load_state_dict(perturbed(v0, 1))
+    with RolloutWorker(tiny_path, WorkerConfig(page_size=16, max_batch_tokens=64), tokenizer=tok) as worker, \
+            rollout.serve(worker, port=0, model_name="tiny") as server:
+        client = openai.OpenAI(base_url=server.url, api_key="-", max_retries=0)
+        stream = chat(client, max_tokens=80, stream=True, extra_body={"ignore_eos": True, "episode_id": "e"})
+        ids, versions, final = [], [], None
+        for chunk in stream:
+            for c in chunk.choices:
+                ids += c.model_extra.get("token_ids", [])
+                versions += c.model_extra.get("token_versions", [])
+                final = c.model_extra.get("policy_version", final)
+            if len(ids) >= 10 and worker.policy_version == 0:
+                worker.update_weights(v1.state_dict(), in_flight="recompute")
+        assert len(ids) == 80 and versions[0] == 0 and versions[-1] == 1 and final == 0
+        assert versions == sorted(versions)
+        batch = server.take_episode("e")
+        assert batch.completion_token_lists() == [ids] and batch.token_versions[0].tolist() == versions
+        gaps = gaps_by_version({0: v0, 1: v1}, batch)
+        assert gaps[0] <= TOL and gaps[1] <= TOL, gaps
+        assert client.models.list().data[0].id == "tiny"
+        assert http(server.url.removesuffix("/v1") + "/health") == (200, {"status": "ok", "policy_version": 1})
+
+
+def test_an_api_key_is_required_when_given(served):
+    worker, _, _ = served
+    with rollout.serve(worker, port=0, api_key="sesame", model_name="tiny") as server:
+        good = openai.OpenAI(base_url=server.url, api_key="sesame", max_retries=0)
+        bad = openai.OpenAI(base_url=server.url, api_key="wrong", max_retries=0)
+        assert good.models.list().data[0].id == "tiny"
+        with pytest.raises(openai.AuthenticationError) as error:
+            chat(bad, max_tokens=2)
+        assert error.value.body["code"] == "invalid_api_key"
+        assert http(server.url.removesuffix("/v1") + "/health")[0] == 200
+
+
+# ---------------------------------------------------------------------------------------------- other rollouts
+class CallsInTurn:
+    """A Rollouts without `on_tokens` that runs one call at a time, as a RolloutFleet does."""
+
+    def __init__(self, worker):
+        self.worker, self.calls, self.lock = worker, [], threading.Lock()
+
+    def __getattr__(self, name):
+        return getattr(self.worker, name)
+
+    def submit(self, prompts, sampling=None, chat_template=False, env=None, max_turns=1, max_episode_tokens=None,
+               env_timeout=300.0):
+        raise AssertionError("the server must batch calls for this rollouts object")
+
+    def generate(self, prompts, sampling=None, **kwargs):
+        with self.lock:
+            self.calls.append(len(prompts))
+            return self.worker.generate(prompts, sampling, **kwargs)
+
+
+def test_rollouts_that_run_calls_in_turn_get_concurrent_requests_batched(served):
+    worker, _, _ = served
+    wrapped = CallsInTurn(worker)
+    with rollout.serve(wrapped, port=0, model_name="tiny") as server:
+        client = openai.OpenAI(base_url=server.url, api_key="-", max_retries=0)
+        results = {}
+
+        def ask(seed):
+            results[seed] = chat(client, max_tokens=6, seed=seed, extra_body={"ignore_eos": True})
+
+        threads = [threading.Thread(target=ask, args=(s,)) for s in range(8)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        streamed = chat(client, max_tokens=6, seed=3, stream=True, extra_body={"ignore_eos": True})
+        streamed_ids = [i for ch in streamed for c in ch.choices for i in c.model_extra.get("token_ids", [])]
+    assert sum(wrapped.calls) == 9 and len(wrapped.calls) < 9  # some requests shared a call
+    direct = {s: chat_direct(worker, seed=s) for s in range(8)}
+    assert {s: r.choices[0].model_extra["token_ids"] for s, r in results.items()} == direct
+    assert streamed_ids == direct[3]
+
+
+def chat_direct(worker, seed):
+    prompt = worker.tokenizer.apply_chat_template(USER, add_generation_prompt=True, return_dict=False)
+    batch = worker.generate([prompt], SamplingParams(max_new_tokens=6, seed=seed, stop_token_ids=()))
+    return batch.completion_token_lists()[0]
+
+
+# ---------------------------------------------------------------------------------------------- the command
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_rollout_serve_command_serves_until_interrupted(tiny_path):
+    port = free_port()
+    cmd = [sys.executable, "-m", "rollout.cli.serve", str(tiny_path), "--port", str(port), "--served-model-name",
+           "tiny", "--kv-cache-memory-mb", "16", "--in-flight", "recompute", "--api-key", "k"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert wait_until(lambda: _healthy(port) or proc.poll() is not None, 300), "never came up: " + (proc.stderr.read() if proc.poll() is not None else "still starting")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0)
+        r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=4)
+        assert len(r.choices[0].model_extra["token_ids"]) <= 4
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    assert "serving 'tiny' on http://127.0.0.1" in err
+
+
+
+def test_rollout_serve_command_refuses_bad_flags_before_loading_anything(tiny_path, capsys):
+    from rollout.cli.serve import main
+
+    assert main([str(tiny_path), "--page-size", "2"]) == 2
+    assert "rollout: error: page_size=2 is invalid" in capsys.readouterr().err
+    assert main([str(tiny_path) + "-missing"]) == 2
+    assert "not a directory" in capsys.readouterr().err
+
+
+def _healthy(port: int) -> bool:
+    try:
+        return http(f"http://127.0.0.1:{port}/health")[0] == 200
+    except OSError:
+        return False
