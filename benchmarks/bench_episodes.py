@@ -20,7 +20,10 @@ Reported per latency scale: episodes/s of each and their ratio; prefill tokens p
 what re-prefilling the whole history every turn would cost (the same calls' prompt tokens); and, from the engine's
 `TurnTrace` on the episode path, per turn after the first: the time from the environment's answer (observation
 ready) to the next turn's first token (p50, p99) against the median engine step, and the fraction of wall time the
-engine ran no step while some episode's next turn was ready (idle with ready work). Methods alternate
+engine ran no step while some episode's next turn was ready (idle with ready work), and where a wait went: to the
+start of the next step (the step running when the turn got ready), steps begun before its first token (1: the first
+step after the observation served it), and the duration of the step that sampled it. The card gives the ratio the
+two methods would reach with free compute (latencies alone). Methods alternate
 (episodes first at x1, then synchronous; the order flips at the next scale), one run each per scale. The last
 line is JSON.
 """
@@ -77,6 +80,14 @@ class Scripted:
         self.turn += 1
         return Turn(list(self.episode.observations[self.turn - 1]), reward=1.0,
                     done=self.turn == self.episode.num_turns)
+
+
+def latency_ratio(episodes: list[Episode]) -> float:
+    """The ratio the two methods would reach with free compute: the turn-synchronous loop waits for each round's
+    slowest step, episodes only for the slowest episode's own chain of steps."""
+    rounds = sum(max(e.latencies[r] for e in episodes if e.num_turns > r)
+                 for r in range(max(e.num_turns for e in episodes)))
+    return rounds / max(sum(e.latencies) for e in episodes)
 
 
 def params_of(episodes: list[Episode]) -> list[SamplingParams]:
@@ -154,17 +165,21 @@ def main() -> None:
     print(f"# episodes card: {args.size} Llama ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
           f"fp32, cpu, {torch.get_num_threads()} threads); {args.episodes} episodes, {num_turns} model turns, "
           f"{sum(e.num_turns * e.turn_tokens for e in episodes)} model tokens; latency median 0.5 s, 10% ~4 s, "
-          f"x scale")
+          f"x scale; with free compute the ratio would be {latency_ratio(episodes):.2f}x (each round's slowest step "
+          f"against the slowest episode's chain)")
     print(f"{'latency':>8}{'episodes/s':>12}{'sync ep/s':>11}{'ratio':>7}{'prefill/turn':>14}{'re-prefill/turn':>17}"
-          f"{'sync prefill/turn':>19}{'ready->token p50':>18}{'p99':>8}{'step p50':>10}{'idle w/ ready':>15}")
+          f"{'sync prefill/turn':>19}{'ready->token p50':>18}{'p99':>8}{'step p50':>10}{'idle w/ ready':>15}"
+          f"{'to step start':>15}{'steps begun':>13}{'token step':>12}")
     for row in results:
         ep, sync, tr = row["episodes"], row["turn-synchronous"], row["episodes"]["trace"]
         print(f"{'x' + str(row['scale']):>8}{args.episodes / ep['seconds']:>12.2f}{args.episodes / sync['seconds']:>11.2f}"
               f"{sync['seconds'] / ep['seconds']:>6.2f}x{ep['prefill_tokens'] / ep['turns']:>14.1f}"
               f"{ep['prompt_tokens'] / ep['turns']:>17.1f}{sync['prefill_tokens'] / sync['turns']:>19.1f}"
               f"{tr['latency_p50_s'] * 1e3:>16.0f}ms{tr['latency_p99_s'] * 1e3:>6.0f}ms{tr['step_p50_s'] * 1e3:>8.0f}ms"
-              f"{tr['idle_with_ready_fraction'] * 100:>14.2f}%")
+              f"{tr['idle_with_ready_fraction'] * 100:>14.2f}%{tr['boundary_p50_s'] * 1e3:>13.0f}ms"
+              f"{tr['steps_started_p50']:>13.0f}{tr['token_step_p50_s'] * 1e3:>10.0f}ms")
     print(json.dumps({"benchmark": "episodes", "size": args.size, "episodes": args.episodes, "turns": num_turns,
+                      "free_compute_ratio": latency_ratio(episodes),
                       "results": [{"scale": r["scale"], "episodes_s": r["episodes"]["seconds"],
                                    "sync_s": r["turn-synchronous"]["seconds"],
                                    "ratio": r["turn-synchronous"]["seconds"] / r["episodes"]["seconds"],
@@ -172,7 +187,9 @@ def main() -> None:
                                    "reprefill_per_turn": r["episodes"]["prompt_tokens"] / r["episodes"]["turns"],
                                    **{k: r["episodes"]["trace"][k] for k in ("latency_p50_s", "latency_p99_s",
                                                                               "step_p50_s",
-                                                                              "idle_with_ready_fraction")}}
+                                                                              "idle_with_ready_fraction",
+                                                                              "boundary_p50_s", "steps_started_p50",
+                                                                              "token_step_p50_s")}}
                                   for r in results]}))
 
 

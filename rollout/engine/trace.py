@@ -7,10 +7,15 @@ Off by default (`Engine.trace is None`: nothing is recorded, nothing costs). `en
 
 `summary()` gives the ready -> first-token latency per turn (p50, p99) against the median step, and the fraction of
 the traced wall time during which some turn was ready and no step was running: the engine idling while it had work.
+It also splits each wait where it went: `boundary` (ready -> the start of the first step after it: the step already
+running when the turn became ready finishing), `steps_started` (steps that began before the first token was sampled:
+1 when the first step after the observation served the turn) and the duration of the step that sampled it (the
+token's step: it prefilled the observation alongside every other row of that step).
 """
 
 from __future__ import annotations
 
+import bisect
 import statistics
 import threading
 import time
@@ -52,7 +57,24 @@ class TurnTrace:
             "step_p50_s": statistics.median(durations) if durations else 0.0, "steps": len(durations),
             "idle_with_ready_s": idle_while_waiting(self.waits, self.steps),
             "idle_with_ready_fraction": idle_while_waiting(self.waits, self.steps) / wall, "wall_s": wall,
+            **wait_parts(self.waits, self.steps),
         }
+
+
+def wait_parts(waits: list[tuple[float, float]], steps: list[tuple[float, float]]) -> dict[str, float]:
+    """Medians of where each wait went: `boundary_p50_s` (ready -> the next step's start), `steps_started_p50` (steps
+    begun between ready and the first token) and `token_step_p50_s` (the duration of the step before the token)."""
+    steps = sorted(steps)
+    starts = [a for a, _ in steps]
+    boundary, started, token_step = [], [], []
+    for ready, token in waits:
+        first, last = bisect.bisect_right(starts, ready), bisect.bisect_left(starts, token)
+        started.append(float(last - first))
+        if first < len(starts) and first < last:
+            boundary.append(starts[first] - ready)
+            token_step.append(steps[last - 1][1] - steps[last - 1][0])
+    return {"boundary_p50_s": _quantile(sorted(boundary), 0.5), "steps_started_p50": _quantile(sorted(started), 0.5),
+            "token_step_p50_s": _quantile(sorted(token_step), 0.5)}
 
 
 def idle_while_waiting(waits: list[tuple[float, float]], steps: list[tuple[float, float]]) -> float:
