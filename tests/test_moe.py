@@ -134,6 +134,36 @@ def test_episodes_record_routing_over_observations_too(moe_paths):
     assert agreement(batch, model) >= 0.999
 
 
+class Rewrites:
+    """Turn 1 is answered with a whole new context (the prompt, the turn's last two tokens, an observation), as a
+    template that rewrites history would: the episode's second segment starts there."""
+
+    def __init__(self, prompts: list[list[int]], prompt_index: int) -> None:
+        self.prompt, self.turn = prompts[prompt_index], 0
+
+    def step(self, completion_ids: list[int]) -> Turn:
+        self.turn += 1
+        observation = [(41 * self.turn + i) % 480 + 10 for i in range(9)]
+        if self.turn == 1:
+            return Turn(context_ids=list(self.prompt) + list(completion_ids[-2:]) + observation)
+        return Turn(observation_ids=observation, reward=1.0)
+
+
+def test_episodes_restarted_from_new_context_record_each_segments_own_routing(moe_paths):
+    model, tok = load_tiny_model(moe_paths["qwen3_moe"])
+    prompts = prompts_of([12, 30])
+    with RolloutWorker(model, WorkerConfig(page_size=16, record_routing=True), tokenizer=tok) as worker:
+        batch = worker.generate(prompts, SamplingParams(n=2, max_new_tokens=6, ignore_eos=True),
+                                env=lambda p, s: Rewrites(prompts, p), max_turns=3)
+    assert batch.segment_index.tolist() == [0, 1] * 4 and batch.num_turns.tolist() == [3] * 8
+    assert [len(p) for p in batch.prompt_ids[1::2]] == [12 + 2 + 9] * 2 + [30 + 2 + 9] * 2
+    assert agreement(batch, model) >= 0.999  # every row's routing covers its own segment's positions, no hole
+    for r, completion in enumerate(batch.completion_token_lists()):  # model tokens exact against their segment
+        full, _ = reference_logprobs(model, batch.prompt_ids[r], completion)
+        model_tokens = batch.action_mask[r, : len(completion)]
+        assert (batch.logprobs[r, : len(completion)] - full).abs()[model_tokens].max() <= TOL
+
+
 def test_rows_round_trip_keeps_routing(moe):
     batch = moe.generate(prompts_of([5, 9]), SamplingParams(n=2, max_new_tokens=4, ignore_eos=True))
     again = RolloutBatch.from_rows(batch.rows())
