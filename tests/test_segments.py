@@ -87,8 +87,14 @@ def test_every_segment_is_a_row_exact_against_a_forward_of_its_own_prompt(worker
     prompts = prompts_of([21, 40, 1])
     make_env = Maker(prompts=prompts)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=9, ignore_eos=True, seed=3)
+    before = worker.metrics()
     batch = worker.generate(prompts, params, env=make_env, max_turns=3)
+    after = worker.metrics()
     assert len(batch) == 3 * 2 * 3  # 6 episodes of 3 turns, each restarted after turns 1 and 2
+    # the metrics count every row the batch holds, and each episode once
+    assert after.rows_finished.get("max_turns", 0) - before.rows_finished.get("max_turns", 0) == 18
+    assert after.episodes_finished.get("max_turns", 0) - before.episodes_finished.get("max_turns", 0) == 6
+    assert after.generated_tokens - before.generated_tokens == int(batch.action_mask.sum())
     assert_exact_rows(worker.model, batch)
     assert batch.episode_index.tolist() == [e for e in range(6) for _ in range(3)]
     assert batch.segment_index.tolist() == [0, 1, 2] * 6
