@@ -23,6 +23,7 @@ Methods, each run for a warm-up step and `--steps` measured steps:
 
 Reported per method over the measured steps: accepted groups/s, accepted (useful) tokens/s, generated tokens/s,
 over-generated tokens (generated and not returned: rejected groups, cancelled leftovers, stale rows), rows carried,
+KV tokens the pushes had recomputed (carried rows: the price of their exactness, about a prefill token each),
 the per-token staleness histogram, and each method's ratio to sync. The last line is JSON.
 """
 
@@ -114,10 +115,11 @@ def push(worker, state, enabled: bool) -> None:
 
 
 def run_sync(worker, state, args, sampling, stream) -> dict:
-    totals = dict(groups=0, tokens=0, generated=0, over=0, carried=0, aborted=0, stale={})
+    totals = dict(groups=0, tokens=0, generated=0, over=0, carried=0, aborted=0, recomputed=0, stale={})
     for step in range(args.steps + 1):
         if step == 1:
             start, totals = CLOCK.now(), {k: ({} if k == "stale" else 0) for k in totals}
+            recomputed = recompute_tokens(worker)
         prompts = list(itertools.islice(stream, args.groups))
         batch = worker.generate(prompts, [sampling(p) for p in prompts])
         rewards = torch.cat([reward(batch_of(batch, g)) for g in range(args.groups)]).view(args.groups, N)
@@ -130,6 +132,7 @@ def run_sync(worker, state, args, sampling, stream) -> dict:
         add_hist(totals["stale"], {0: int(lengths[keep].sum())})
         push(worker, state, args.push)
     totals["seconds"] = CLOCK.now() - start
+    totals["recomputed"] = recompute_tokens(worker) - recomputed
     return totals
 
 
@@ -138,12 +141,13 @@ def batch_of(batch, g: int):
 
 
 def run_collector(worker, state, args, sampling, stream, partial: bool) -> dict:
-    totals = dict(groups=0, tokens=0, generated=0, over=0, carried=0, aborted=0, stale={})
+    totals = dict(groups=0, tokens=0, generated=0, over=0, carried=0, aborted=0, recomputed=0, stale={})
     with RolloutCollector(worker, stream, sampling, reward_fn=reward, accept=nonzero_std, over_sample=args.over_sample,
                           partial=partial, max_staleness=args.max_staleness) as collector:
         for step in range(args.steps + 1):
             if step == 1:
                 start, totals = CLOCK.now(), {k: ({} if k == "stale" else 0) for k in totals}
+                recomputed = recompute_tokens(worker)
             batch = collector.next_batch(args.accepted)
             stats = batch.stats
             totals["groups"] += stats["accepted_groups"]
@@ -155,7 +159,26 @@ def run_collector(worker, state, args, sampling, stream, partial: bool) -> dict:
             add_hist(totals["stale"], stats["staleness_hist"])
             push(worker, state, args.push)
         totals["seconds"] = CLOCK.now() - start
+    totals["recomputed"] = recompute_tokens(worker) - recomputed
     return totals
+
+
+def recompute_tokens(worker) -> int:
+    """KV tokens the pushes so far had recomputed under the new weights (each costs about a prefill token)."""
+    return int(worker.engine.counters.recompute_tokens)
+
+
+def prefill_rate(worker, vocab: int) -> float:
+    """Prompt tokens per second of a plain prefill (80 prompts x 100 tokens, one new token each, best of two): what
+    a recomputed KV token costs, to set against the pushes' `recomp` counts."""
+    gen = torch.Generator().manual_seed(1)
+    best = 0.0
+    for _ in range(2):
+        prompts = [torch.randint(10, vocab, (100,), generator=gen).tolist() for _ in range(80)]
+        start = CLOCK.now()
+        worker.generate(prompts, SamplingParams(max_new_tokens=1))
+        best = max(best, 8000 / (CLOCK.now() - start))
+    return best
 
 
 def add_hist(into: dict, hist: dict) -> None:
@@ -189,6 +212,7 @@ def main() -> None:
                 results[method] = run_collector(worker, state, args, sampling, stream, partial=method == "partial")
             print(f"# {method}: {results[method]['seconds']:.1f}s", file=sys.stderr, flush=True)
         recomputed = worker.engine.num_recomputed
+        prefill = prefill_rate(worker, vocab)
     load = os.getloadavg()
     print(f"# long-tail card: 25M-parameter Llama, fp32, CPU ({torch.get_num_threads()} threads), WorkerConfig "
           f"defaults; {args.steps} measured steps per method after 1 warm-up; n={N}; prompts 8-16 tokens; median "
@@ -199,23 +223,27 @@ def main() -> None:
           f"{CLOCK.paused:.0f}s paused by the machine's owner left out of the timings")
     base = results.get("sync")
     print(f"{'method':<10}{'s':>7}{'groups/s':>10}{'acc tok/s':>11}{'gen tok/s':>11}{'over-gen':>10}{'carried':>9}"
-          f"{'aborted':>9}{'x sync':>8}  staleness (tokens by versions behind)")
+          f"{'aborted':>9}{'recomp':>8}{'x sync':>8}  staleness (tokens by versions behind)")
     rows = {}
     for method, r in results.items():
         rate = r["tokens"] / r["seconds"]
         ratio = rate / (base["tokens"] / base["seconds"]) if base else float("nan")
         rows[method] = dict(seconds=r["seconds"], groups_per_s=r["groups"] / r["seconds"], accepted_tokens_per_s=rate,
                             generated_tokens_per_s=r["generated"] / r["seconds"], over_generated=r["over"],
-                            carried_rows=r["carried"], aborted_rows=r["aborted"], vs_sync=ratio,
+                            carried_rows=r["carried"], aborted_rows=r["aborted"],
+                            recomputed_tokens=r["recomputed"], vs_sync=ratio,
                             staleness=dict(sorted(r["stale"].items())))
         print(f"{method:<10}{r['seconds']:>7.1f}{rows[method]['groups_per_s']:>10.3f}{rate:>11.1f}"
               f"{rows[method]['generated_tokens_per_s']:>11.1f}{r['over']:>10d}{r['carried']:>9d}{r['aborted']:>9d}"
-              f"{ratio:>7.2f}x  {rows[method]['staleness']}")
-    print(f"# requests recomputed by the pushes: {recomputed}")
+              f"{r['recomputed']:>8d}{ratio:>7.2f}x  {rows[method]['staleness']}")
+    print(f"# requests recomputed by the pushes (all steps): {recomputed}; plain prefill {prefill:.0f} tok/s, so the "
+          "measured steps' recomputes cost about " + ", ".join(f"{m} {r['recomputed'] / prefill:.1f}s"
+                                                               for m, r in results.items()))
     print(json.dumps({"benchmark": "longtail", "steps": args.steps, "groups": args.groups, "accepted": args.accepted,
                       "median": args.median, "over_sample": args.over_sample, "push": args.push,
                       "max_staleness": args.max_staleness, "load": [round(x, 2) for x in load],
-                      "paused_s": round(CLOCK.paused, 1), "results": rows}))
+                      "paused_s": round(CLOCK.paused, 1), "prefill_tokens_per_s": round(prefill, 1),
+                      "results": rows}))
 
 
 if __name__ == "__main__":

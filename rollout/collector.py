@@ -48,7 +48,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from concurrent.futures import CancelledError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +60,7 @@ from .env import EnvFactory, EpisodeSpec
 from .errors import check_int, invalid, preview
 from .loading import pad_token_id
 from .params import SamplingParams
+from .prompt_source import PromptGroup, PromptSource
 from .rollouts import Rollouts
 
 
@@ -73,24 +74,11 @@ def nonzero_std(group: RolloutBatch) -> bool:
 
 
 @dataclass(eq=False)
-class _Group:
-    """One prompt's group, from the prompt stream to a batch."""
-
-    draw: int  # the prompt's position in the stream: the batch's prompt_index
-    prompt: Any
-    params: SamplingParams | None = None  # how its samples are drawn (set when it is first submitted)
-    batch: RolloutBatch | None = None  # its rows, rewarded, once finished
-    accepted: bool = False
-    error: str = ""
-    carried: bool = False  # in flight (or finished, unused) when an earlier call returned
-
-
-@dataclass(eq=False)
 class _Wave:
     """One submit: several groups in one call, read by a feeder thread."""
 
     future: Any
-    groups: list[_Group]
+    groups: list[PromptGroup]
     version: int  # the policy version when it was submitted: no token of it is older
     delivered: set[int] = field(default_factory=set)  # local indices the feeder has handed on
     thread: threading.Thread | None = None
@@ -129,10 +117,10 @@ class RolloutCollector:
         self.rollouts, self.sampling, self.reward_fn, self.accept = rollouts, sampling, reward_fn, accept
         self.over_sample, self.partial, self.max_staleness = float(over_sample), partial, max_staleness
         self.chat_template = chat_template
-        self._source = _PromptSource(prompts, cycle)
+        self._source = PromptSource(prompts, cycle)
         self._cond = threading.Condition()
         self._waves: list[_Wave] = []
-        self._ready: deque[_Group] = deque()  # finished and judged, not used yet
+        self._ready: deque[PromptGroup] = deque()  # finished and judged, not used yet
         self._scoring = 0  # groups handed to the reward pool and not back yet
         self._rewards = ThreadPoolExecutor(reward_workers, thread_name_prefix="rollout-reward")
         self.errors: deque[str] = deque(maxlen=100)  # the latest failed groups' errors, oldest first
@@ -152,7 +140,7 @@ class RolloutCollector:
         deadline = None if timeout is None else time.monotonic() + timeout
         self._stats = _fresh_stats()
         self._abort_stale_waves()
-        taken: list[_Group] = []
+        taken: list[PromptGroup] = []
         try:
             while len(taken) < num_groups:
                 self._top_up(num_groups, len(taken))
@@ -174,7 +162,7 @@ class RolloutCollector:
                                    "more prompts (or cycle=True).")
         return self._finish(sorted(taken, key=lambda g: g.draw))
 
-    def _judge(self, group: _Group) -> bool:
+    def _judge(self, group: PromptGroup) -> bool:
         """Count a finished group; True if it goes into the batch. A stale one is regenerated."""
         stats, tokens = self._stats, _model_tokens(group.batch)
         if group.error:
@@ -189,7 +177,7 @@ class RolloutCollector:
         stats["over_generated_tokens"] += tokens
         return False
 
-    def _finish(self, taken: list[_Group]) -> RolloutBatch:
+    def _finish(self, taken: list[PromptGroup]) -> RolloutBatch:
         stats = self._stats
         stats["accepted_groups"] = len(taken)
         stats["carried_rows"] = sum(len(g.batch) for g in taken if g.carried)
@@ -228,7 +216,7 @@ class RolloutCollector:
         if groups:
             self._submit(groups)
 
-    def _set_params(self, group: _Group) -> None:
+    def _set_params(self, group: PromptGroup) -> None:
         if group.params is None:
             params = self.sampling(group.prompt) if callable(self.sampling) else self.sampling
             if not isinstance(params, SamplingParams):
@@ -236,7 +224,7 @@ class RolloutCollector:
                               "return e.g. SamplingParams(n=8)")
             group.params = params
 
-    def _submit(self, groups: list[_Group]) -> None:
+    def _submit(self, groups: list[PromptGroup]) -> None:
         version = self.rollouts.policy_version
         extra = self.spec.kwargs() if self.spec is not None else {}
         try:
@@ -250,7 +238,7 @@ class RolloutCollector:
             self._waves.append(wave)
         wave.thread.start()
 
-    def _refused(self, groups: list[_Group], error: ValueError) -> ValueError:
+    def _refused(self, groups: list[PromptGroup], error: ValueError) -> ValueError:
         match = re.match(r"prompt (\d+): ", str(error))
         bad = int(match.group(1)) if match and int(match.group(1)) < len(groups) else None
         self._source.put_back([g for i, g in enumerate(groups) if i != bad])
@@ -288,7 +276,7 @@ class RolloutCollector:
                     self._waves.remove(wave)
                 self._cond.notify_all()
 
-    def _score(self, group: _Group, part: RolloutBatch) -> None:
+    def _score(self, group: PromptGroup, part: RolloutBatch) -> None:
         """Reward pool: reward and judge one finished group, then make it ready."""
         try:
             rewards = part.rewards if self.reward_fn is None else _rewards(self.reward_fn(part), len(part))
@@ -304,7 +292,7 @@ class RolloutCollector:
                 self._ready.append(group)
             self._cond.notify_all()
 
-    def _wait_ready(self, deadline: float | None, have: int, want: int) -> _Group | None:
+    def _wait_ready(self, deadline: float | None, have: int, want: int) -> PromptGroup | None:
         """The next finished group; None when nothing is in flight (or being rewarded) any more."""
         with self._cond:
             while not self._ready:
@@ -330,7 +318,7 @@ class RolloutCollector:
             self._stats["aborted_rows"] += sum(g.params.n for g in undelivered)
             self._requeue(undelivered)
 
-    def _cancel(self, waves: list[_Wave]) -> list[_Group]:
+    def _cancel(self, waves: list[_Wave]) -> list[PromptGroup]:
         """Cancel waves and wait for their feeders; returns their groups never handed on."""
         for wave in waves:
             wave.future.cancel()
@@ -357,9 +345,9 @@ class RolloutCollector:
             dropped, self._ready = list(self._ready), deque()
         self._stats["over_generated_tokens"] += sum(_model_tokens(g.batch) for g in dropped)
 
-    def _requeue(self, groups: list[_Group]) -> None:
+    def _requeue(self, groups: list[PromptGroup]) -> None:
         """Regenerate these prompts first (same stream positions), as fresh groups."""
-        self._source.put_back([_Group(g.draw, g.prompt, g.params) for g in groups])
+        self._source.put_back([PromptGroup(g.draw, g.prompt, g.params) for g in groups])
 
     def close(self) -> None:
         """Cancel everything in flight and stop the collector's threads; nothing of it stays on the rollout side."""
@@ -379,55 +367,6 @@ class RolloutCollector:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-class _PromptSource:
-    """The prompt stream: a list used once (or cycled), or any iterable read lazily; prompts put back (a stale or
-    refused wave's) come out first, with their original stream positions."""
-
-    def __init__(self, prompts: Iterable[Any], cycle: bool) -> None:
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
-            raise invalid("prompts", preview(prompts), "must be a list of prompts or an iterable of them",
-                          "pass e.g. [[1, 2, 3], 'some text'] or a generator")
-        if cycle and not isinstance(prompts, Sequence):
-            raise invalid("cycle", cycle, "needs a list of prompts (an iterator cannot be repeated)",
-                          "pass a list, or cycle=False")
-        if isinstance(prompts, Sequence) and len(prompts) == 0:
-            raise invalid("prompts", "[]", "must not be empty", "pass at least one prompt")
-        self._items = prompts
-        self._iter = iter(_cycled(prompts) if cycle else prompts)
-        self._back: deque[_Group] = deque()
-        self._next_draw = 0
-        self._lock = threading.Lock()
-        self._iter_done = False
-
-    @property
-    def exhausted(self) -> bool:
-        return self._iter_done and not self._back
-
-    def take(self, count: int) -> list[_Group]:
-        out = []
-        with self._lock:
-            while len(out) < count and self._back:
-                out.append(self._back.popleft())
-            while len(out) < count and not self._iter_done:
-                try:
-                    prompt = next(self._iter)
-                except StopIteration:
-                    self._iter_done = True
-                    break
-                out.append(_Group(self._next_draw, prompt))
-                self._next_draw += 1
-        return out
-
-    def put_back(self, groups: list[_Group]) -> None:
-        with self._lock:
-            self._back.extendleft(reversed(groups))
-
-
-def _cycled(items: Sequence[Any]):
-    while True:
-        yield from items
 
 
 def _fresh_stats() -> dict[str, Any]:
