@@ -357,8 +357,8 @@ class Engine:
         ready = time.perf_counter()
         with self._cond:
             episode = sample.episode
-            if episode.epoch != epoch or sample not in self._stepping:  # reset or abandoned meanwhile
-                return
+            if self._closed or episode.epoch != epoch or sample not in self._stepping:  # closed, reset or abandoned
+                return  # meanwhile (a plain step's pool thread may return after the engine closed)
             self.counters.env_step(seconds, error is not None)
             self._stepping.discard(sample)
             if sample.call.is_over():  # cancelled or failed meanwhile
