@@ -20,21 +20,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from ..batch import RolloutBatch, Row
 from .choices import Choice
 
 
 @dataclass(frozen=True)
 class EpisodeBatch(RolloutBatch):
-    """A RolloutBatch of recorded episodes, one row per segment, episode by episode.
-    episode_index: (R,) int64, the position of the row's episode in the ids taken (also `prompt_index`).
-    segment_index: (R,) int64, the row's segment within its episode, in order (also `sample_index`).
+    """A RolloutBatch of recorded episodes, one row per segment, episode by episode: `episode_index` is the position
+    of the row's episode in the ids taken (also `prompt_index`; `sample_index` is 0), `segment_index` the row's
+    segment within its episode, in order, as in a `generate(..., env=...)` batch.
     episode_ids: R strings, the row's episode id."""
 
-    episode_index: torch.Tensor | None = None
-    segment_index: torch.Tensor | None = None
     episode_ids: list[str] = field(default_factory=list)
 
 
@@ -164,11 +160,10 @@ class EpisodeRecorder:
         for e, (episode_id, episode_calls) in enumerate(zip(ids, calls)):
             for s, seg in enumerate(segments(episode_calls)):
                 versions = [v for v in seg.token_versions if v >= 0]
-                rows.append(Row(e, s, seg.prompt_ids, seg.tokens, seg.logprobs, seg.sampling_logprobs,
+                rows.append(Row(e, 0, seg.prompt_ids, seg.tokens, seg.logprobs, seg.sampling_logprobs,
                                 seg.finish_reason, min(versions) if versions else -1, action_mask=seg.action_mask,
-                                num_turns=seg.num_turns, token_versions=seg.token_versions))
+                                num_turns=seg.num_turns, token_versions=seg.token_versions, segment_index=s))
                 names.append(episode_id)
         batch = RolloutBatch.from_rows(rows, pad_token_id=self.pad_token_id, tokenizer=self.tokenizer)
         base = {f.name: getattr(batch, f.name) for f in dataclasses.fields(RolloutBatch)}
-        return EpisodeBatch(**base, episode_index=batch.prompt_index.clone(),
-                            segment_index=batch.sample_index.clone(), episode_ids=names)
+        return EpisodeBatch(**base, episode_ids=names)
