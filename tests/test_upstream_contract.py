@@ -14,6 +14,8 @@ Private attributes and methods (`test_the_hook_list_is_complete` checks this lis
   (and its model runner) ahead of the loop so the runner can be swapped for ours; the loop reuses that processor.
 - `ContinuousBatchingManager._run_generation_loop` (manager.py wraps it, core.py starts it): the loop body, run on
   a daemon thread of ours (upstream's `start()` makes a non-daemon one that hangs interpreter exit).
+- `ContinuousBatchingManager._generation_step` (manager.py wraps it while a `TurnTrace` is set): one step's forward,
+  whose start and end the trace records (the engine idling with a turn ready is time outside every step).
 - `ContinuousBatchingManager._generation_thread` (core.py sets and reads it): the loop thread `is_running()`/`stop()`
   look at.
 - `ContinuousBatchingManager._wake_up_loop` (core.py sets it): `add_request` cannot submit a RequestState with our
@@ -103,7 +105,7 @@ from rollout.engine.scheduler import RolloutScheduler
 
 # the private names above, as the completeness check finds them in rollout/engine/
 HOOKS = {"_forward_process_and_sample", "_schedule_request", "_create_batch_processor", "_run_generation_loop",
-         "_generation_thread", "_wake_up_loop", "_attn_implementation", "_kv_token_views",
+         "_generation_step", "_generation_thread", "_wake_up_loop", "_attn_implementation", "_kv_token_views",
          "_scaled_dot_product_flash_attention_for_cpu", "_infer_request_tokens", "_status"}
 ENGINE = Path(__file__).resolve().parents[1] / "rollout" / "engine"
 

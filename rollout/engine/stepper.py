@@ -83,10 +83,10 @@ class _First:
     or the loop's copy of an outcome the pool thread already handed over)."""
 
     def __init__(self, callback: StepCallback) -> None:
-        self._callback, self._lock, self._done = callback, threading.Lock(), False
+        self._callback, self._mutex, self._done = callback, threading.Lock(), False
 
     def __call__(self, turn: Any, error: BaseException | None, seconds: float) -> None:
-        with self._lock:
+        with self._mutex:
             if self._done:
                 return
             self._done = True

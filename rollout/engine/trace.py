@@ -27,20 +27,20 @@ class TurnTrace:
         self.steps: list[tuple[float, float]] = []
         self.waits: list[tuple[float, float]] = []  # (observation ready, first token of the next turn)
         self._ready: dict[str, float] = {}
-        self._lock = threading.Lock()
+        self._mutex = threading.Lock()
 
     def step(self, start: float, end: float) -> None:
         self.steps.append((start, end))
 
     def ready(self, request_id: str, at: float) -> None:
-        with self._lock:
+        with self._mutex:
             self._ready[request_id] = at
 
     def sampled(self, request_ids: list[str], at: float) -> None:
         """One step's sampled requests (engine thread): the first token of a traced turn ends its wait."""
         if not self._ready:
             return
-        with self._lock:
+        with self._mutex:
             for request_id in request_ids:
                 ready = self._ready.pop(request_id, None)
                 if ready is not None:
