@@ -172,7 +172,8 @@ def main() -> None:
           f"{'to step start':>15}{'steps begun':>13}{'token step':>12}")
     for row in results:
         ep, sync, tr = row["episodes"], row["turn-synchronous"], row["episodes"]["trace"]
-        print(f"{'x' + str(row['scale']):>8}{args.episodes / ep['seconds']:>12.2f}{args.episodes / sync['seconds']:>11.2f}"
+        print(f"{'x' + str(row['scale']):>8}{args.episodes / ep['seconds']:>12.2f}"
+              f"{args.episodes / sync['seconds']:>11.2f}"
               f"{sync['seconds'] / ep['seconds']:>6.2f}x{ep['prefill_tokens'] / ep['turns']:>14.1f}"
               f"{ep['prompt_tokens'] / ep['turns']:>17.1f}{sync['prefill_tokens'] / sync['turns']:>19.1f}"
               f"{tr['latency_p50_s'] * 1e3:>16.0f}ms{tr['latency_p99_s'] * 1e3:>6.0f}ms{tr['step_p50_s'] * 1e3:>8.0f}ms"

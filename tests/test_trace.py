@@ -58,9 +58,10 @@ def test_a_plain_steps_outcome_is_handed_over_on_its_pool_thread_while_the_event
     stepper, started, outcomes = Stepper(4), threading.Event(), []
     try:
         begin = time.perf_counter()
-        stepper.step(_episode(_Slow(0.2, started)), 0, 0, None,
-                     lambda turn, error, seconds: outcomes.append((turn, error, seconds, threading.current_thread().name,
-                                                                   time.perf_counter() - begin)))
+        def record(turn, error, seconds):
+            outcomes.append((turn, error, seconds, threading.current_thread().name, time.perf_counter() - begin))
+
+        stepper.step(_episode(_Slow(0.2, started)), 0, 0, None, record)
         assert started.wait(10)
         asyncio.run_coroutine_threadsafe(asyncio.sleep(0), stepper._loop)  # the loop is free until now...
         blocker = asyncio.run_coroutine_threadsafe(_block(2.0), stepper._loop)  # ...then held for 2 s
