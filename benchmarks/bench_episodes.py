@@ -2,6 +2,7 @@
 
     python benchmarks/bench_episodes.py             # 25M Llama, 64 episodes, latency x0 / x0.5 / x1 / x2 (~5 min)
     python benchmarks/bench_episodes.py --quick     # tiny model, 16 episodes, x1 only: a smoke run
+    python benchmarks/bench_episodes.py --episodes 48 --turns 4 --scales 1   # the issue's held-out shape
 
 The workload: 64 episodes (one prompt each, 16-48 tokens) of 1-4 model turns (drawn per episode) of 8-32 tokens
 (drawn per episode, `ignore_eos=True`, so both methods generate exactly the same number of tokens), each turn
@@ -56,11 +57,13 @@ class Episode:
     observations: tuple[tuple[int, ...], ...]
 
 
-def draw_episodes(num: int, seed: int, vocab: int) -> list[Episode]:
+def draw_episodes(num: int, seed: int, vocab: int, fixed: int | None = None) -> list[Episode]:
+    """`fixed`: every episode's number of model turns (None: drawn per episode, 1-4)."""
     episodes = []
     for i in range(num):
         rng = random.Random(f"{seed}-{i}")
-        turns = rng.randint(1, 4)
+        drawn = rng.randint(1, 4)
+        turns = drawn if fixed is None else fixed
         latencies = tuple(rng.uniform(3.5, 4.5) if rng.random() < 0.1 else math.exp(rng.gauss(math.log(0.5), 0.4))
                           for _ in range(turns))
         observations = tuple(tuple(rng.randrange(10, vocab) for _ in range(rng.randint(8, 24))) for _ in range(turns))
@@ -141,6 +144,8 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=64)
     parser.add_argument("--scales", default="0,0.5,1,2", help="latency multipliers, comma-separated")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--turns", type=int, default=None,
+                        help="model turns of every episode, 1-4 (default: drawn per episode)")
     parser.add_argument("--quick", action="store_true", help="tiny model, 16 episodes, scale 1 only")
     args = parser.parse_args()
     if args.quick:
@@ -148,7 +153,9 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model, _ = load_tiny_model(build_tiny_model(f"{tempfile.gettempdir()}/rollout-bench-{args.size}", size=args.size))
     vocab = model.config.vocab_size
-    episodes = draw_episodes(args.episodes, args.seed, vocab)
+    if args.turns is not None and not 1 <= args.turns <= 4:
+        parser.error(f"--turns {args.turns}: must be 1 to 4 (the environments' max_turns)")
+    episodes = draw_episodes(args.episodes, args.seed, vocab, args.turns)
     config = WorkerConfig(page_size=16, max_batch_tokens=512, kv_cache_memory_mb=512)
     results = []
     with RolloutWorker(model, config) as worker:
