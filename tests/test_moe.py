@@ -429,3 +429,18 @@ def test_ppo_with_routing_replay_forces_the_recorded_experts_in_every_policy_for
             for r, row in enumerate(recorded):
                 flips += int((experts[r, : row.shape[0]] != row).any(-1).sum())
         assert (flips == 0) if replay else (flips > 0), (replay, flips)
+
+
+def test_routing_travels_in_pickles_exactly_with_little_framing_per_row():
+    import pickle
+
+    gen = torch.Generator().manual_seed(0)
+    for experts, dtype in ((8, torch.uint8), (300, torch.int16)):
+        rows = tuple(torch.randint(0, experts, (n, 3, 2), generator=gen).to(dtype) for n in (100, 1, 37, 0))
+        routing = Routing(("model.layers.0.mlp.gate", "model.layers.1.mlp.gate", "model.layers.2.mlp.gate"),
+                          experts, 2, rows)
+        wire = pickle.dumps(routing)  # what Ray ships between an actor and the fleet
+        back = pickle.loads(wire)
+        assert back.layers == routing.layers and (back.num_experts, back.top_k) == (experts, 2)
+        assert all(a.dtype == dtype and torch.equal(a, b) for a, b in zip(back.rows, rows))
+        assert len(wire) <= routing.nbytes + 200 + 64 * len(rows), (len(wire), routing.nbytes)

@@ -132,8 +132,8 @@ class FleetActor:
             result = self.worker.score(prompts, completions, temperature=temperature, **kwargs)
             if not kwargs.get("return_routing"):
                 return result
-            logprobs, routing = result  # per pair, as the fleet collects results: (logprobs, its experts)
-            return list(zip(logprobs, routing.rows))
+            logprobs, routing = result  # per pair, as the fleet collects results: (logprobs, its experts), the
+            return list(zip(logprobs, (row.numpy() for row in routing.rows)))  # experts as numpy (lighter pickles)
         finally:
             with self._lock:
                 self.busy -= 1

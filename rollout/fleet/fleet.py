@@ -201,8 +201,9 @@ class RolloutFleet:
         scores = self._scatter(costs, submit, timeout, [1] * len(costs), "score", ("pairs", "pairs"))
         if layout is None:
             return [scores[j] for j in range(len(costs))]
-        return [scores[j][0] for j in range(len(costs))], Routing(
-            layout.layers, layout.num_experts, layout.top_k, tuple(scores[j][1] for j in range(len(costs))))
+        experts = tuple(torch.tensor(scores[j][1]) for j in range(len(costs)))  # numpy on the wire (actor.score)
+        return [scores[j][0] for j in range(len(costs))], Routing(layout.layers, layout.num_experts, layout.top_k,
+                                                                  experts)
 
     def _routing_layout(self) -> Routing:
         """The layout (layers, experts, top-k; no rows) of the routing the actors' model records; ValueError if it
