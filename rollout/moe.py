@@ -164,6 +164,11 @@ class Routing:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def __reduce__(self):
+        # pickled (the fleet's transport) with each row as a numpy array: ~40 bytes of framing per row, where a
+        # pickled tensor takes ~300 (more than a 100-token row's 4-byte-per-token experts)
+        return _unpickle_routing, (self.layers, self.num_experts, self.top_k, tuple(row.numpy() for row in self.rows))
+
     def select(self, rows: Sequence[int] | slice) -> "Routing":
         picked = self.rows[rows] if isinstance(rows, slice) else tuple(self.rows[i] for i in rows)
         return Routing(self.layers, self.num_experts, self.top_k, tuple(picked))
@@ -189,3 +194,7 @@ class Routing:
                                  f"{first.num_experts} experts (top-{first.top_k}) vs {len(part.layers)} x "
                                  f"{part.num_experts} (top-{part.top_k}).")
         return Routing(first.layers, first.num_experts, first.top_k, tuple(r for p in parts for r in p.rows))
+
+
+def _unpickle_routing(layers: tuple[str, ...], num_experts: int, top_k: int, rows: tuple) -> Routing:
+    return Routing(layers, num_experts, top_k, tuple(torch.tensor(row) for row in rows))

@@ -18,6 +18,13 @@ def tiny_tied_qwen_path(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", arch="qwen2", tie_word_embeddings=True)
 
 
+@pytest.fixture(scope="session")
+def moe_paths(tmp_path_factory):
+    """Tiny mixture-of-experts models (Qwen3-MoE, OLMoE, Mixtral), built locally once per session."""
+    root = tmp_path_factory.mktemp("moe")
+    return {arch: build_tiny_model(root / arch, arch=arch) for arch in ("qwen3_moe", "olmoe", "mixtral")}
+
+
 @pytest.fixture()
 def inject_engine_fault(monkeypatch):
     """inject(at_step): from then on, the at_step-th engine step (counted across engines) raises inside the forward,

@@ -300,6 +300,8 @@ def test_score_splits_pairs_across_actors_in_input_order(fleet, local):
     scores = fleet.score(prompts, completions, temperature=0.8)
     for prompt, completion, got in zip(prompts, completions, scores):
         assert torch.allclose(got, reference_logprobs(local, prompt, completion, 0.8)[0], atol=TOL)
+    with pytest.raises(ValueError, match="LlamaForCausalLM: it has no mixture-of-experts router"):
+        fleet.score(prompts, completions, return_routing=True)  # refused before any pair is scored
 
 
 def test_episodes_run_on_the_actors_with_the_calls_own_prompt_indices(fleet, local):

@@ -3,6 +3,8 @@ own forward (prefix hits, forks, preemption, episodes), and routing replay in th
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -10,17 +12,11 @@ from conftest import reference_logprobs
 from rollout import RolloutBatch, RolloutWorker, SamplingParams, Turn, WorkerConfig, replay_routing
 from rollout.moe import Routing, find_routers
 from rollout.moe import capture_routing
-from rollout.testing import build_tiny_model, load_tiny_model
+from rollout.testing import load_tiny_model
 from trainers_integration.forward import completion_logprobs, pack
 
 TOL = 1e-5
 FAMILIES = ("qwen3_moe", "olmoe", "mixtral")
-
-
-@pytest.fixture(scope="session")
-def moe_paths(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe")
-    return {arch: build_tiny_model(root / arch, arch=arch) for arch in FAMILIES}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -364,20 +360,35 @@ def test_grpo_routing_replay_needs_recorded_rollouts(moe_paths):
             trainer.step()
 
 
-def test_fleet_round_trip_carries_routing(moe_paths):
+def test_fleet_round_trip_carries_routing_of_generate_and_score(moe_paths):
     pytest.importorskip("ray")
-    from rollout import RolloutFleet
+    from rollout import RolloutFleet, score
 
     config = WorkerConfig(page_size=16, num_blocks=128, record_routing=True)
-    fleet = RolloutFleet(moe_paths["mixtral"], num_workers=1, config=config)
+    fleet = RolloutFleet(moe_paths["mixtral"], num_workers=2, config=config)
     try:
-        batch = fleet.generate(prompts_of([6, 23]), SamplingParams(n=2, max_new_tokens=6, ignore_eos=True))
+        batch = fleet.generate(prompts_of([6, 23, 14]), SamplingParams(n=2, max_new_tokens=6, ignore_eos=True))
+        pairs = (batch.prompt_ids, batch.completion_token_lists())
+        logprobs, routing = fleet.score(*pairs, return_routing=True)
+        none, empty = fleet.score([], [], return_routing=True)
     finally:
         fleet.close()
     local, _ = load_tiny_model(moe_paths["mixtral"])
-    assert batch.routing is not None and len(batch.routing) == 4 and batch.routing.bytes_per_token == 4
+    assert batch.routing is not None and len(batch.routing) == 6 and batch.routing.bytes_per_token == 4
     assert_exact(local, batch)
     assert agreement(batch, local) >= 0.999
+    # score: each pair's experts come back with it, in input order, as the worker's own score records them
+    own_logprobs, own = score(local, *pairs, return_routing=True)
+    assert routing.layers == own.layers == batch.routing.layers and routing.bytes_per_token == 4
+    assert routing.nbytes == 4 * sum(len(row_tokens(batch, r)) - 1 for r in range(len(batch)))
+    same = total = 0
+    for r, (got, want) in enumerate(zip(routing.rows, own.rows)):
+        assert got.dtype == torch.uint8 and got.shape == want.shape == batch.routing.rows[r].shape
+        equal = (got.long().sort(-1).values == want.long().sort(-1).values).all(-1)
+        same, total = same + int(equal.sum()), total + equal.numel()
+        assert (logprobs[r] - own_logprobs[r]).abs().max() <= TOL
+    assert same / total >= 0.999
+    assert none == [] and len(empty) == 0 and empty.layers == own.layers
 
 
 def test_replay_on_a_peft_model_forces_the_recorded_experts(moe):
@@ -393,3 +404,73 @@ def test_replay_on_a_peft_model_forces_the_recorded_experts(moe):
     for r, row in enumerate(batch.routing.rows):
         got = seen[0].view(len(batch), width, *row.shape[1:])[r, : row.shape[0]]
         assert torch.equal(got.sort(-1).values, row.long().sort(-1).values)
+
+
+@contextlib.contextmanager
+def experts_used(model):
+    """The experts each MoE layer's `experts` module computed with in each forward (whatever hooks on the routers
+    did): one (tokens, layers, top_k) int64 tensor per forward."""
+    parents = [model.get_submodule(r.name.rsplit(".", 1)[0]) for r in find_routers(model)]
+    captured, step = [], {}
+
+    def keep(layer):
+        def hook(module, args):
+            step[layer] = args[1].detach().long().cpu()  # experts(hidden_states, top_k_index, top_k_weights)
+            if len(step) == len(parents):
+                captured.append(torch.stack([step.pop(i) for i in range(len(parents))], dim=1))
+        return hook
+
+    handles = [parent.experts.register_forward_pre_hook(keep(i)) for i, parent in enumerate(parents)]
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def test_ppo_with_routing_replay_forces_the_recorded_experts_in_every_policy_forward(moe):
+    from trainers_integration.ppo import PPOConfig, PPOTrainer
+    from trainers_integration.value import ValueHead
+
+    batch = moe.generate(prompts_of([8, 15, 11]), SamplingParams(n=1, max_new_tokens=7, ignore_eos=True))
+    width = max(len(row_tokens(batch, r)) for r in range(len(batch)))
+    recorded = [row.long().sort(-1).values for row in batch.routing.rows]
+
+    class RolloutSide:  # learn() trains on a batch generated elsewhere, then pushes the weights here
+        def __init__(self):
+            self.versions = []
+
+        def update_weights(self, weights, version=None):
+            self.versions.append(version)
+
+    for replay in (True, False):
+        policy = perturbed(moe.model)  # the trainer's routers differ from the ones that ran the rollout
+        head = ValueHead.for_model(policy)
+        optimizer = torch.optim.SGD([*policy.parameters(), *head.parameters()], lr=1e-3)
+        side = RolloutSide()
+        trainer = PPOTrainer(policy, head, optimizer, None, [], side, PPOConfig(num_epochs=2, routing_replay=replay))
+        with experts_used(policy) as seen:
+            trainer.learn(batch, [1.0, 0.0, 0.5])
+        assert side.versions == [0, 1]
+        assert len(seen) == 3, "the old values' forward and one per epoch"
+        flips = 0
+        for forward in seen:
+            experts = forward.view(len(batch), width, *forward.shape[1:]).sort(-1).values
+            for r, row in enumerate(recorded):
+                flips += int((experts[r, : row.shape[0]] != row).any(-1).sum())
+        assert (flips == 0) if replay else (flips > 0), (replay, flips)
+
+
+def test_routing_travels_in_pickles_exactly_with_little_framing_per_row():
+    import pickle
+
+    gen = torch.Generator().manual_seed(0)
+    for experts, dtype in ((8, torch.uint8), (300, torch.int16)):
+        rows = tuple(torch.randint(0, experts, (n, 3, 2), generator=gen).to(dtype) for n in (100, 1, 37, 0))
+        routing = Routing(("model.layers.0.mlp.gate", "model.layers.1.mlp.gate", "model.layers.2.mlp.gate"),
+                          experts, 2, rows)
+        wire = pickle.dumps(routing)  # what Ray ships between an actor and the fleet
+        back = pickle.loads(wire)
+        assert back.layers == routing.layers and (back.num_experts, back.top_k) == (experts, 2)
+        assert all(a.dtype == dtype and torch.equal(a, b) for a, b in zip(back.rows, rows))
+        assert len(wire) <= routing.nbytes + 200 + 64 * len(rows), (len(wire), routing.nbytes)

@@ -127,7 +127,7 @@ class Engine:
         RolloutCache.adopt(manager.batch_processor.cache)
         manager.batch_processor.scheduler.on_split = self._on_split
         manager.batch_processor.scheduler.on_schedule = self.counters.kv_step
-        RolloutOffloading.adopt(manager.batch_processor.offloading_manager, self.counters.preempted)
+        RolloutOffloading.adopt(manager.batch_processor.offloading_manager, self._on_preempt)
         RolloutModelRunner.adopt(manager.batch_processor.model_runner)
         RolloutIOs.adopt(manager.batch_processor.inputs_and_outputs, self._record)
         table.stream = manager.batch_processor.inputs_and_outputs.compute_stream
@@ -328,6 +328,13 @@ class Engine:
             sample = self._pending.get(request_id)
             if sample is not None:
                 sample.reused_tokens += num_tokens
+
+    def _on_preempt(self, request_ids: list[str]) -> None:
+        """Requests soft reset under KV pressure (engine thread): counted, and their routing re-recorded at their
+        re-prefill."""
+        self.counters.preempted(len(request_ids))
+        if self._recorder is not None:
+            self._recorder.soft_reset(request_ids)
 
     def _on_split(self, request_id: str, num_tokens: int) -> None:
         with self._cond:
@@ -538,7 +545,10 @@ class Engine:
                 if self._manager is not None and invalidate:
                     switch.forget_prefix_cache(self._manager)
                     if self._recorder is not None:
-                        self._recorder.forget()
+                        with self._cond:
+                            self._recorder.forget(set(self._pending))
+                            if mode == "recompute":  # every request in flight is prefilled again
+                                self._recorder.soft_reset(list(self._recorder.buffers))
             if invalidate:  # a weight change (read-only uses, e.g. scoring, are not counted)
                 now = time.perf_counter()
                 with self._cond:

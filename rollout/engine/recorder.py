@@ -12,7 +12,15 @@ Positions a request did not compute itself are filled from where they were compu
 - a prefix-cache hit from the buffer of the request that computed those pages (live or finished), found by a chain
   hash of the page's tokens, as the cache itself finds them (`PrefixIndex`, kept within a position budget, cleared
   with the prefix cache at every weight change);
-- a preempted request re-prefilled keeps its own buffer (the positions are rewritten by the re-prefill).
+- a preempted request re-prefilled keeps its own buffer (the positions are rewritten by the re-prefill, the ones a
+  prefix hit serves were computed under the same weights).
+
+Weight changes (`forget`, at every switch) start a new epoch: the prefix index is cleared, and a buffer computed
+under older weights serves no later request. A request soft reset after a switch (mode "recompute", which resets
+every request in flight; or preempted, then re-prefilled after one) starts its buffer again at its re-prefill: every
+position is recomputed by the new weights or served from pages cached since the switch, and takes that routing, the
+routing of the KV its later tokens attend to. A request that keeps its old-weight KV (mode "keep") keeps the routing
+that built it.
 A hole that no source covers (its pages were dropped from the index but the KV was still cached) fails that request,
 which the engine re-runs; it never comes back with a hole.
 """
@@ -36,11 +44,17 @@ class Buffer:
     """One request's routing: `data[p]` = (layers, top_k) experts at position p; `tokens[p]` the token fed there;
     positions [0, length) are filled."""
 
-    def __init__(self, num_layers: int, top_k: int, dtype: torch.dtype) -> None:
+    def __init__(self, num_layers: int, top_k: int, dtype: torch.dtype, epoch: int) -> None:
         self.data = torch.zeros((64, num_layers, top_k), dtype=dtype)
         self.tokens: list[int] = []
         self.length = 0
         self.pages: list[int] = []  # chain hashes of the full pages registered so far
+        self.epoch = epoch  # the weights its positions were computed under (the recorder's epoch then)
+        self.soft_reset = False  # its KV was dropped: its next write is a re-prefill
+
+    def restart(self, epoch: int) -> None:
+        """Its positions are all computed again (or served from the cache) under the weights of `epoch`."""
+        self.tokens, self.length, self.pages, self.epoch = [], 0, [], epoch
 
     def write(self, start: int, values: torch.Tensor, tokens: list[int]) -> None:
         end = start + values.shape[0]
@@ -102,6 +116,7 @@ class RoutingRecorder:
         self.buffers: dict[str, Buffer] = {}
         self.failed: dict[str, str] = {}  # request id -> why its routing has a hole
         self.index = PrefixIndex(page_size, budget)
+        self.epoch = 0  # weight changes so far
         self.cache = None  # this manager's paged cache: the engine's forwards pass it
         self.ios = None  # the step's inputs and outputs (requests_in_batch, in the forward's order)
         self._thread: int | None = None  # the thread running the engine's forward, while it runs
@@ -118,9 +133,21 @@ class RoutingRecorder:
             handle.remove()
         self._handles = []
 
-    def forget(self) -> None:
-        """Weights changed: no routing computed before may serve a later request's cached positions."""
+    def forget(self, live: set[str] | None = None) -> None:
+        """Weights changed: no routing computed before may serve a later request's cached positions. `live` (given
+        while no forward runs): the engine requests still in flight; any other's buffer (one aborted while it ran)
+        is dropped."""
         self.index.clear()
+        self.epoch += 1
+        for request_id in [r for r in self.buffers if live is not None and r not in live]:
+            self.drop(request_id)
+
+    def soft_reset(self, request_ids) -> None:
+        """These requests' KV was dropped (preempted, or a "recompute" switch): they are prefilled again."""
+        for request_id in request_ids:
+            buffer = self.buffers.get(request_id)
+            if buffer is not None:
+                buffer.soft_reset = True
 
     def take(self, request_id: str, num_positions: int) -> torch.Tensor:
         """The request's routing for positions [0, num_positions), (positions, layers, top_k); its buffer is kept
@@ -168,16 +195,22 @@ class RoutingRecorder:
         request_id = state.request_id
         buffer = self.buffers.get(request_id)
         if buffer is None:
-            buffer = self.buffers[request_id] = Buffer(len(self.routers), self.top_k, self.dtype)
+            buffer = self.buffers[request_id] = Buffer(len(self.routers), self.top_k, self.dtype, self.epoch)
+        elif buffer.soft_reset:  # its re-prefill: under newer weights, nothing it recorded before still holds
+            buffer.soft_reset = False
+            if buffer.epoch != self.epoch:
+                buffer.restart(self.epoch)
         if first > buffer.length:
             self._fill(request_id, buffer, first, state.initial_tokens)
         buffer.write(first, values, tokens)
-        self.index.register(buffer)
+        if buffer.epoch == self.epoch:  # old-weight routing (mode "keep") serves no request after the switch
+            self.index.register(buffer)
 
     def _fill(self, request_id: str, buffer: Buffer, first: int, prompt: list[int]) -> None:
         """Positions [buffer.length, first) were not computed by this request: copy them from their source."""
         parent = self.buffers.get(request_id.split(CHILD_SEPARATOR)[0]) if CHILD_SEPARATOR in request_id else None
-        if parent is not None and parent.length >= first and parent.tokens[:first] == list(prompt[:first]):
+        if parent is not None and parent.epoch == self.epoch and parent.length >= first \
+                and parent.tokens[:first] == list(prompt[:first]):
             buffer.copy_prefix(parent, first)
             return
         source = self.index.find(list(prompt[:first])) if first % self.index.page_size == 0 else None

@@ -34,6 +34,7 @@ from ..config import WorkerConfig
 from ..env import EpisodeSpec
 from ..loading import checkpoint_dir, load_tokenizer, model_from_state_dict
 from ..metrics import WorkerMetrics
+from ..moe import Routing, find_routers
 from ..worker import RolloutWorker
 
 
@@ -130,11 +131,21 @@ class FleetActor:
         with self._lock:
             self.busy += 1
         try:
-            return self.worker.score(prompts, completions, temperature=temperature, **kwargs)
+            result = self.worker.score(prompts, completions, temperature=temperature, **kwargs)
+            if not kwargs.get("return_routing"):
+                return result
+            logprobs, routing = result  # per pair, as the fleet collects results: (logprobs, its experts), the
+            return list(zip(logprobs, (row.numpy() for row in routing.rows)))  # experts as numpy (lighter pickles)
         finally:
             with self._lock:
                 self.busy -= 1
                 self.num_calls += 1
+
+    def routing_layout(self) -> Routing:
+        """The layout (layers, experts, top-k; no rows) of the routing this actor's model records; ValueError for a
+        model without routers the recorder understands (rollout.moe.find_routers)."""
+        routers = find_routers(self.worker.model)
+        return Routing(tuple(r.name for r in routers), routers[0].num_experts, routers[0].top_k, ())
 
     def metrics(self) -> WorkerMetrics:
         """The worker's snapshot (control group: runs beside a generate)."""

@@ -51,6 +51,7 @@ from ..env import EnvFactory, EpisodeSpec
 from ..errors import check_int, invalid
 from ..loading import pad_token_id
 from ..metrics import FleetMetrics
+from ..moe import Routing
 from ..prompts import prepare_call
 from .resources import FleetResources
 from .transport import Collective, ObjectStore, TransportFailed, WeightTransport
@@ -180,15 +181,17 @@ class RolloutFleet:
         return RolloutBatch.from_rows(rows, pad_token_id=pad_token_id(self.tokenizer), tokenizer=self.tokenizer)
 
     def score(self, prompts: Sequence[Any], completions: Sequence[Any], temperature: Any = 1.0,
-              timeout: float | None = None, **kwargs) -> list[torch.Tensor]:
-        """rollout.scoring.score on the actors' models: pairs spread by length, results in input order."""
+              timeout: float | None = None, **kwargs) -> list[torch.Tensor] | tuple[list[torch.Tensor], Routing]:
+        """rollout.scoring.score on the actors' models: pairs spread by length, results in input order.
+        `return_routing=True` (mixtures of experts): `(logprobs, routing)` as `rollout.score` returns them, each
+        pair's experts coming back with its logprobs (`routing.bytes_per_token` per fed token)."""
         if len(prompts) != len(completions):
             raise invalid("completions", f"{len(completions)} items", f"must be one per prompt ({len(prompts)})",
                           "pass as many completions as prompts")
-        if kwargs.get("return_routing"):
-            raise invalid("return_routing", True, "is not supported by the fleet's score yet",
-                          "score with rollout.score on a local copy of the model, or route rollouts through "
-                          "generate (its rows carry routing)")
+        # mixtures of experts: the routers' layout first (a model without routers the recorder understands is refused
+        # before any pair is scored); then each pair's experts come back beside its logprobs, a compact
+        # (positions, layers, top_k) uint8 tensor
+        layout = self._routing_layout() if kwargs.get("return_routing") else None
         temps = list(temperature) if isinstance(temperature, Sequence) else None
 
         def submit(actor, jobs: list[int]):
@@ -197,7 +200,22 @@ class RolloutFleet:
 
         costs = [max(1, len(p) + len(c)) for p, c in zip(prompts, completions)]
         scores = self._scatter(costs, submit, timeout, [1] * len(costs), "score", ("pairs", "pairs"))
-        return [scores[j] for j in range(len(costs))]
+        if layout is None:
+            return [scores[j] for j in range(len(costs))]
+        experts = tuple(torch.tensor(scores[j][1]) for j in range(len(costs)))  # numpy on the wire (actor.score)
+        return [scores[j][0] for j in range(len(costs))], Routing(layout.layers, layout.num_experts, layout.top_k,
+                                                                  experts)
+
+    def _routing_layout(self) -> Routing:
+        """The layout (layers, experts, top-k; no rows) of the routing the actors' model records; ValueError if it
+        has no router the recorder understands."""
+        with self._lock:
+            self._await_starts()
+            slots = sorted(self._ready())
+            if not slots:
+                raise RuntimeError("RolloutFleet.score: no actor is running")
+            ref = self._actors[slots[0]].routing_layout.remote()
+        return ray.get(ref)
 
     def update_weights(self, weights, version: int | None = None, full: bool = False,
                        in_flight: str | None = None) -> int:
