@@ -64,7 +64,8 @@ def find_routers(model: torch.nn.Module) -> list[Router]:
                          "only for MoE models.")
     routers = []
     for name, module in candidates:
-        normalize = _probe(module)  # every router (16 tokens each): an instance may differ from its class
+        with _unsharded(model, name):  # FSDP2 keeps a sharded router's weight as a DTensor outside its forward
+            normalize = _probe(module)  # every router (16 tokens each): an instance may differ from its class
         if normalize is None:
             raise ValueError(
                 f"record_routing=True is invalid for {type(model).__name__}: its router {name!r} "
@@ -85,6 +86,25 @@ def _candidates(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
             found += [(f"{name}.{key}" if name else key, children[key]) for key in ("gate", "router")
                       if key in children and "router" not in type(children[key]).__name__.lower()]
     return found
+
+
+@contextlib.contextmanager
+def _unsharded(model: torch.nn.Module, name: str) -> Iterator[None]:
+    """The parameters of the innermost FSDP2 module holding `name` gathered for the block (nothing to do without
+    FSDP2): what its own forward does before the router runs."""
+    from torch.distributed.fsdp import FSDPModule
+
+    parts = name.split(".")
+    for end in range(len(parts) - 1, -1, -1):
+        owner = model.get_submodule(".".join(parts[:end]))
+        if isinstance(owner, FSDPModule):
+            owner.unshard()
+            try:
+                yield
+            finally:
+                owner.reshard()
+            return
+    yield
 
 
 @torch.no_grad()

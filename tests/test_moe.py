@@ -19,6 +19,14 @@ TOL = 1e-5
 FAMILIES = ("qwen3_moe", "olmoe", "mixtral")
 
 
+def assert_replayed(seen: torch.Tensor, batch) -> None:
+    """Every row's positions of a right-padded trainer forward routed to exactly the experts the batch recorded."""
+    width = seen.shape[0] // len(batch)
+    for r, row in enumerate(batch.routing.rows):
+        got = seen.view(len(batch), width, *row.shape[1:])[r, : row.shape[0]]
+        assert torch.equal(got.sort(-1).values, row.long().sort(-1).values)
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def moe(request, moe_paths):
     """A worker recording routing on a tiny MoE model shared in place (fp32, CPU)."""
@@ -253,23 +261,44 @@ def test_replay_on_the_rollout_model_reproduces_its_logprobs_and_leaves_it_untou
     assert [len(r.module._forward_hooks) for r in find_routers(moe.model)] == hooks
 
 
-def test_replay_under_a_ddp_style_wrapper_and_peft_names(moe):
-    class Wrapper(torch.nn.Module):  # what DDP looks like from outside: the model under `module.`
-        def __init__(self, module):
-            super().__init__()
-            self.module = module
+@pytest.fixture()
+def gloo_group():
+    """A one-process gloo group, as `accelerate launch` on CPU makes (DDP and FSDP2 need one)."""
+    import torch.distributed as dist
 
-        def forward(self, **kwargs):
-            return self.module(**kwargs)
+    from rollout.fleet.collective import free_port
 
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def wrap_ddp(model):
+    return torch.nn.parallel.DistributedDataParallel(model)
+
+
+def wrap_fsdp2(model):
+    """Every decoder layer its own FSDP2 unit, then the root (accelerate's transformer-layer wrap policy)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+@pytest.mark.parametrize("wrap", [wrap_ddp, wrap_fsdp2], ids=["ddp", "fsdp2"])
+def test_replay_under_real_ddp_and_fsdp2_wrappers(moe, gloo_group, wrap):
     batch = moe.generate(prompts_of([9]), SamplingParams(n=2, max_new_tokens=6, ignore_eos=True))
-    wrapped = Wrapper(perturbed(moe.model))
+    wrapped = wrap(perturbed(moe.model))  # FSDP2: the routers' weights are DTensors outside their layer's forward
+    assert [r.name for r in find_routers(wrapped)] == list(batch.routing.layers)  # DDP's `module.` prefix removed
+    with torch.no_grad(), capture_routing(wrapped) as unreplayed:
+        trainer_forward(wrapped, batch)
     with torch.no_grad(), replay_routing(wrapped, batch), capture_routing(wrapped) as seen:
         trainer_forward(wrapped, batch)
-    width = seen[0].shape[0] // len(batch)
-    for r, row in enumerate(batch.routing.rows):
-        got = seen[0].view(len(batch), width, *row.shape[1:])[r, : row.shape[0]]
-        assert torch.equal(got.sort(-1).values, row.long().sort(-1).values)
+    assert_replayed(seen[0], batch)
+    assert not torch.equal(seen[0], unreplayed[0])  # the perturbed routers alone would have picked other experts
 
 
 def test_replay_rejects_a_mismatch_before_any_forward(moe, moe_paths):
@@ -400,10 +429,7 @@ def test_replay_on_a_peft_model_forces_the_recorded_experts(moe):
     assert find_routers(peft_model)[0].name == batch.routing.layers[0]  # PEFT's base_model.model. prefix removed
     with torch.no_grad(), replay_routing(peft_model, batch), capture_routing(peft_model) as seen:
         trainer_forward(peft_model, batch)
-    width = seen[0].shape[0] // len(batch)
-    for r, row in enumerate(batch.routing.rows):
-        got = seen[0].view(len(batch), width, *row.shape[1:])[r, : row.shape[0]]
-        assert torch.equal(got.sort(-1).values, row.long().sort(-1).values)
+    assert_replayed(seen[0], batch)
 
 
 @contextlib.contextmanager

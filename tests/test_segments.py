@@ -12,23 +12,7 @@ import torch
 from conftest import reference_logprobs
 from rollout import RolloutBatch, RolloutWorker, SamplingParams, Turn, WorkerConfig
 from rollout.batch import Row
-
-TOL = 1e-5
-PAGE = 16
-
-
-@pytest.fixture(scope="module")
-def worker(tiny_path):
-    from rollout.testing import load_tiny_model
-
-    model, tok = load_tiny_model(tiny_path)
-    with RolloutWorker(model, WorkerConfig(page_size=PAGE, max_batch_tokens=256), tokenizer=tok) as w:
-        yield w
-
-
-def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(10, 500, (n,), generator=gen).tolist() for n in lengths]
+from test_episodes import PAGE, TOL, prompts_of, worker  # noqa: F401 - the episodes tests' worker and prompts
 
 
 class Rewriter:
