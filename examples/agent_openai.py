@@ -14,9 +14,11 @@ in place — runs the agents through the HTTP endpoint under episode ids, takes 
 loss, nothing re-tokenized), and trains on them with `GRPOTrainer.learn`. After every step the worker is refreshed
 and the server keeps serving the new weights.
 
-The tiny random model first gets a short supervised warm-up on the format (call `peek`, then answer with digits,
-here *random* digits: the warm-up teaches the shape of an answer, not to copy the tool's result); GRPO must learn
-the rest. The run prints the reward per step and exits 1 unless it rose by --min-gain.
+The tiny random model first gets a short supervised warm-up on the format: the question answered by the call to
+`peek` (34 tokens of markup here, hence max_tokens=64 for the first turn: a call cut short does not parse, and the
+episode ends unrewarded at one turn), and a tool result answered by one *random* digit (the warm-up teaches the shape
+of an answer, not to copy the tool's result). GRPO must learn the rest. The run prints the reward per step and exits
+1 unless it rose by --min-gain.
 """
 
 from __future__ import annotations
@@ -40,34 +42,34 @@ def run_agent(client: openai.OpenAI, model: str, episode_id: str, secret: int) -
     """One episode: ask, run the tool calls the model makes, ask again; the reward of the final answer."""
     messages = list(QUESTION)
     extra = {"extra_body": {"episode_id": episode_id}}
-    reply = client.chat.completions.create(model=model, messages=messages, tools=[PEEK], max_tokens=24,
+    reply = client.chat.completions.create(model=model, messages=messages, tools=[PEEK], max_tokens=64,
                                            temperature=1.0, **extra).choices[0].message
     if reply.tool_calls:
         messages.append(reply.model_dump(exclude_none=True))
         for call in reply.tool_calls:
             result = str(secret) if call.function.name == "peek" else f"error: no tool {call.function.name}"
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-        reply = client.chat.completions.create(model=model, messages=messages, tools=[PEEK], max_tokens=6,
+        reply = client.chat.completions.create(model=model, messages=messages, tools=[PEEK], max_tokens=4,
                                                temperature=1.0, **extra).choices[0].message
     answer = "".join((reply.content or "").split())
     return answer.count(str(secret)) / len(answer) if answer else 0.0
 
 
 # ================================================================================ the trainer
-def warm_up_pairs(tokenizer, num: int, seed: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt, completion) pairs of the format: the tool call, then an answer of random digits."""
+def warm_up_pairs(tokenizer, num: int, seed: int, calls: int = 16) -> list[tuple[list[int], list[int]]]:
+    """(prompt, completion) pairs of the format: the question answered by the tool call (`calls` copies of it among
+    the `num` answers, so that the call becomes the likely first action), and a tool result answered by one random
+    digit (the shape of an answer, not which digit: that is the tool's result, for GRPO to find)."""
     rng = random.Random(seed)
     call = '<tool_call>{"name": "peek", "arguments": {}}</tool_call><|end|>'
     first = tokenizer.apply_chat_template(QUESTION, tools=[PEEK], add_generation_prompt=True, return_dict=False)
-    pairs = [(first, tokenizer.encode(call))]
+    pairs = [(first, tokenizer.encode(call))] * calls
     for _ in range(num):
-        secret = rng.randrange(10)
         chat = QUESTION + [{"role": "assistant", "content": None, "tool_calls": [
             {"type": "function", "function": {"name": "peek", "arguments": {}}}]},
-            {"role": "tool", "content": str(secret)}]
+            {"role": "tool", "content": str(rng.randrange(10))}]
         prompt = tokenizer.apply_chat_template(chat, tools=[PEEK], add_generation_prompt=True, return_dict=False)
-        answer = "".join(str(rng.randrange(10)) for _ in range(rng.randint(1, 3)))
-        pairs.append((prompt, tokenizer.encode(answer + "<|end|>")))
+        pairs.append((prompt, tokenizer.encode(str(rng.randrange(10)) + "<|end|>")))
     return pairs
 
 
