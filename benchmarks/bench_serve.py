@@ -6,8 +6,8 @@ in-process worker, at the same concurrency and all at once.
 
 One worker, one server (`rollout.serve`, in this process, as a trainer would run it). The clients run in a child
 process (so their JSON and HTTP work is not on the server's interpreter lock, as it would not be in a real harness):
-`--clients` `openai.AsyncOpenAI` instances, each taking the next request from a shared list as soon as its last one
-returns. Every request is one chat prompt (rendered by the chat template), n=1, `max_tokens` tokens with
+`--clients` concurrent callers of one `openai.AsyncOpenAI` client (a pool of as many connections), each taking the
+next request from a shared list as soon as its last one returns. Every request is one chat prompt (rendered by the chat template), n=1, `max_tokens` tokens with
 `ignore_eos` and a per-request seed, so the server and the in-process call generate exactly the same tokens (checked).
 
 - in-process, all: `worker.generate(prompts, chat_template=True)`, one call with every prompt (the best case: no
@@ -66,14 +66,20 @@ def messages_of(i: int) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------------- the clients
 async def run_clients(url: str, job: dict) -> dict:
+    import httpx
     import openai
 
     pending = list(range(job["requests"]))
     latencies, ttfts, tokens, ids = [], [], 0, {}
+    # one client (one connection pool) shared by the coroutines, built before the clock starts: a harness builds its
+    # client once; building one per coroutine inside the timed part measured the openai package's start-up
+    client = openai.AsyncOpenAI(base_url=url, api_key="-", max_retries=0, timeout=600,
+                                http_client=openai.DefaultAsyncHttpxClient(
+                                    limits=httpx.Limits(max_connections=job["clients"],
+                                                        max_keepalive_connections=job["clients"])))
 
     async def one_client() -> None:
         nonlocal tokens
-        client = openai.AsyncOpenAI(base_url=url, api_key="-", max_retries=0, timeout=600)
         while pending:
             i = pending.pop(0)
             kwargs = dict(model=job["model"], messages=messages_of(i), max_tokens=job["max_tokens"], seed=i,
@@ -94,12 +100,12 @@ async def run_clients(url: str, job: dict) -> dict:
             latencies.append(time.perf_counter() - start)
             tokens += len(got)
             ids[i] = got
-        await client.close()
 
     start = time.perf_counter()
     await asyncio.gather(*(one_client() for _ in range(job["clients"])))
-    return {"seconds": time.perf_counter() - start, "tokens": tokens, "latencies": latencies, "ttfts": ttfts,
-            "ids": ids}
+    seconds = time.perf_counter() - start
+    await client.close()
+    return {"seconds": seconds, "tokens": tokens, "latencies": latencies, "ttfts": ttfts, "ids": ids}
 
 
 def client_main(url: str, job_path: str) -> None:
