@@ -15,8 +15,8 @@ loss, nothing re-tokenized), and trains on them with `GRPOTrainer.learn`. After 
 and the server keeps serving the new weights.
 
 The tiny random model first gets a short supervised warm-up on the format: the question answered by the call to
-`peek` (34 tokens of markup here, hence max_tokens=64 for the first turn: a call cut short does not parse, and the
-episode ends unrewarded at one turn), and a tool result answered by one *random* digit (the warm-up teaches the shape
+`peek` (34 tokens of markup with this tokenizer, within the first turn's FIRST_TURN_TOKENS: a call cut short does
+not parse, and the episode ends unrewarded at one turn), and a tool result answered by one *random* digit (the warm-up teaches the shape
 of an answer, not to copy the tool's result). GRPO must learn the rest. The run prints the reward per step and exits
 1 unless it rose by --min-gain.
 """
@@ -36,20 +36,23 @@ import openai
 QUESTION = [{"role": "user", "content": "what is the secret number"}]
 PEEK = {"type": "function", "function": {"name": "peek", "description": "Look at the secret digit.",
                                          "parameters": {"type": "object", "properties": {}, "required": []}}}
+FIRST_TURN_TOKENS = 64  # room for the call: a call cut short by max_tokens does not parse (the markup is 34 tokens here)
+ANSWER_TOKENS = 4
 
 
 def run_agent(client: openai.OpenAI, model: str, episode_id: str, secret: int) -> float:
     """One episode: ask, run the tool calls the model makes, ask again; the reward of the final answer."""
     messages = list(QUESTION)
     extra = {"extra_body": {"episode_id": episode_id}}
-    reply = client.chat.completions.create(model=model, messages=messages, tools=[PEEK], max_tokens=64,
+    reply = client.chat.completions.create(model=model, messages=messages, tools=[PEEK], max_tokens=FIRST_TURN_TOKENS,
                                            temperature=1.0, **extra).choices[0].message
     if reply.tool_calls:
         messages.append(reply.model_dump(exclude_none=True))
         for call in reply.tool_calls:
             result = str(secret) if call.function.name == "peek" else f"error: no tool {call.function.name}"
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-        reply = client.chat.completions.create(model=model, messages=messages, tools=[PEEK], max_tokens=4,
+        reply = client.chat.completions.create(model=model, messages=messages, tools=[PEEK],
+                                               max_tokens=ANSWER_TOKENS,
                                                temperature=1.0, **extra).choices[0].message
     answer = "".join((reply.content or "").split())
     return answer.count(str(secret)) / len(answer) if answer else 0.0
