@@ -7,18 +7,19 @@ in-process worker, at the same concurrency and all at once.
 One worker, one server (`rollout.serve`, in this process, as a trainer would run it). The clients run in a child
 process (so their JSON and HTTP work is not on the server's interpreter lock, as it would not be in a real harness):
 `--clients` concurrent callers of one `openai.AsyncOpenAI` client (a pool of as many connections), each taking the
-next request from a shared list as soon as its last one returns. Every request is one chat prompt (rendered by the chat template), n=1, `max_tokens` tokens with
-`ignore_eos` and a per-request seed, so the server and the in-process call generate exactly the same tokens (checked).
+next request from a shared list as soon as its last one returns. Every request is one chat prompt (rendered by the
+chat template), n=1, `max_tokens` tokens with `ignore_eos` and a per-request seed, so the server and the in-process
+call generate exactly the same tokens (checked).
 
 - in-process, all: `worker.generate(prompts, chat_template=True)`, one call with every prompt (the best case: no
   HTTP, and every row in one batch from the first step).
 - in-process, N in flight: `--clients` threads, each calling `worker.generate` on one request at a time, as the
   clients do: the same concurrency as the server's, without HTTP. server / this is the server's own cost; this /
   "all" is the cost of fewer rows per step, which any server with that many clients pays.
-- server: the same requests over loopback HTTP; latency per request (p50 / p99).
-- server, streamed: the same requests with `stream=True`; time to first token (p50 / p99) and throughput.
-- server, all clients (unless --no-wide): one client per request, so every row can be in flight at once, as in the
-  first run.
+- server, N clients: the same requests over loopback HTTP; latency per request (p50 / p99).
+- streamed, N clients: the same requests with `stream=True`; time to first token (p50 / p99) and throughput.
+- server, R clients (unless --no-wide): one caller per request, so every row can be in flight at once, as in the
+  first run (compared with it).
 
 Reported: tokens/s of each, and its ratio to "in-process, all" and to the in-process run at the same concurrency
 (target >= 0.9), latencies, TTFT. The order of the runs rotates with --repeats; each ratio is taken within one round.
@@ -157,7 +158,7 @@ def main() -> None:
     worker.generate(prompts[:8], params[:8], chat_template=True)  # warm-up: first-call costs out of the runs
     print(f"config: model {args.size} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, fp32, CPU, "
           f"{torch.get_num_threads()} threads), {args.requests} chat requests x {args.max_tokens} tokens, "
-          f"{args.clients} concurrent openai clients (AsyncOpenAI, child process), rollout_paged, "
+          f"{args.clients} concurrent requests (one AsyncOpenAI client, child process), rollout_paged, "
           f"load average {os.getloadavg()[0]:.2f}")
 
     def in_process() -> dict:
@@ -211,17 +212,19 @@ def report(args: argparse.Namespace, rounds: list[dict], n: int) -> None:
         for name, result in results.items():
             assert result["ids"] == reference, f"{name}: other tokens than the in-process call"
     rate = [{k: v["tokens"] / v["seconds"] for k, v in res.items()} for res in rounds]
-    same = {f"server, {n} clients": f"in-process, {n} in flight", f"streamed, {n} clients": f"in-process, {n} in flight",
+    inflight = f"in-process, {n} in flight"
+    same = {f"server, {n} clients": inflight, f"streamed, {n} clients": inflight,
             f"server, {args.requests} clients": "in-process, all"}
     print(f"\n{'run':<24} {'tok/s':>7} {'x all':>6} {'x same':>7} {'p50 s':>7} {'p99 s':>7} {'TTFT p50':>9} "
           f"{'TTFT p99':>9}")
     last, last_rate = rounds[-1], rate[-1]
-    for name in sorted(last, key=list(last).index):
+    nan = float("nan")
+    for name in rounds[0]:  # the first round's order is the runs' own
         lat, ttft = last[name].get("latencies"), last[name].get("ttfts")
-        vs_same = last_rate[name] / last_rate[same[name]] if name in same else float("nan")
-        nan = float("nan")
+        vs_same = last_rate[name] / last_rate[same[name]] if name in same else nan
         print(f"{name:<24} {last_rate[name]:>7.0f} {last_rate[name] / last_rate['in-process, all']:>6.2f} "
-              f"{vs_same:>7.2f} {percentile(lat, .5) if lat else nan:>7.2f} {percentile(lat, .99) if lat else nan:>7.2f} "
+              f"{vs_same:>7.2f} {percentile(lat, .5) if lat else nan:>7.2f} "
+              f"{percentile(lat, .99) if lat else nan:>7.2f} "
               f"{percentile(ttft, .5) if ttft else nan:>9.3f} {percentile(ttft, .99) if ttft else nan:>9.3f}")
     own = [r[f"server, {n} clients"] / r[f"in-process, {n} in flight"] for r in rate]
     streamed = [r[f"streamed, {n} clients"] / r[f"in-process, {n} in flight"] for r in rate]

@@ -16,9 +16,9 @@ and the server keeps serving the new weights.
 
 The tiny random model first gets a short supervised warm-up on the format: the question answered by the call to
 `peek` (34 tokens of markup with this tokenizer, within the first turn's FIRST_TURN_TOKENS: a call cut short does
-not parse, and the episode ends unrewarded at one turn), and a tool result answered by one *random* digit (the warm-up teaches the shape
-of an answer, not to copy the tool's result). GRPO must learn the rest. The run prints the reward per step and exits
-1 unless it rose by --min-gain.
+not parse, and the episode ends unrewarded at one turn), and a tool result answered by one *random* digit (the warm-
+up teaches the shape of an answer, not to copy the tool's result). GRPO must learn the rest. The run prints the
+reward per step and exits 1 unless it rose by --min-gain.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import openai
 QUESTION = [{"role": "user", "content": "what is the secret number"}]
 PEEK = {"type": "function", "function": {"name": "peek", "description": "Look at the secret digit.",
                                          "parameters": {"type": "object", "properties": {}, "required": []}}}
-FIRST_TURN_TOKENS = 64  # room for the call: a call cut short by max_tokens does not parse (the markup is 34 tokens here)
+FIRST_TURN_TOKENS = 64  # room for the call: a call cut short does not parse (the markup is 34 tokens here)
 ANSWER_TOKENS = 4
 
 
@@ -44,8 +44,8 @@ def run_agent(client: openai.OpenAI, model: str, episode_id: str, secret: int) -
     """One episode: ask, run the tool calls the model makes, ask again; the reward of the final answer."""
     messages = list(QUESTION)
     extra = {"extra_body": {"episode_id": episode_id}}
-    reply = client.chat.completions.create(model=model, messages=messages, tools=[PEEK], max_tokens=FIRST_TURN_TOKENS,
-                                           temperature=1.0, **extra).choices[0].message
+    reply = client.chat.completions.create(model=model, messages=messages, tools=[PEEK],
+                                           max_tokens=FIRST_TURN_TOKENS, temperature=1.0, **extra).choices[0].message
     if reply.tool_calls:
         messages.append(reply.model_dump(exclude_none=True))
         for call in reply.tool_calls:
