@@ -6,7 +6,7 @@ in-process worker, at the same concurrency and all at once.
 
 One worker, one server (`rollout.serve`, in this process, as a trainer would run it). The clients run in a child
 process (so their JSON and HTTP work is not on the server's interpreter lock, as it would not be in a real harness):
-`--clients` concurrent callers of one `openai.AsyncOpenAI` client (a pool of as many connections), each taking the
+`--clients` concurrent callers of one `openai.AsyncOpenAI` client (its connection pool), each taking the
 next request from a shared list as soon as its last one returns. Every request is one chat prompt (rendered by the
 chat template), n=1, `max_tokens` tokens with `ignore_eos` and a per-request seed, so the server and the in-process
 call generate exactly the same tokens (checked).
@@ -67,17 +67,13 @@ def messages_of(i: int) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------------- the clients
 async def run_clients(url: str, job: dict) -> dict:
-    import httpx
     import openai
 
     pending = list(range(job["requests"]))
     latencies, ttfts, tokens, ids = [], [], 0, {}
-    # one client (one connection pool) shared by the coroutines, built before the clock starts: a harness builds its
-    # client once; building one per coroutine inside the timed part measured the openai package's start-up
-    client = openai.AsyncOpenAI(base_url=url, api_key="-", max_retries=0, timeout=600,
-                                http_client=openai.DefaultAsyncHttpxClient(
-                                    limits=httpx.Limits(max_connections=job["clients"],
-                                                        max_keepalive_connections=job["clients"])))
+    # one client (one connection pool: up to 1000 connections) shared by the callers, built before the clock starts:
+    # a harness builds its client once; one per caller, built inside the timed part, measured the package's start-up
+    client = openai.AsyncOpenAI(base_url=url, api_key="-", max_retries=0, timeout=600)
 
     async def one_client() -> None:
         nonlocal tokens
