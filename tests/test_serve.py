@@ -179,6 +179,23 @@ def test_tool_calls_are_parsed_by_the_tokenizers_own_parser(served, tok):
     assert error.value.body["param"] == "tool_choice"
 
 
+def test_a_call_of_valid_json_but_not_a_calls_shape_is_plain_content(tok):
+    """A sampled call whose JSON parses but has no string name (or arguments that are not an object) is returned as
+    content, not as a tool call the client could not send back (the server refuses such a message with a 400)."""
+    from rollout.server.chat import ChatFormat
+
+    fmt = ChatFormat(tok)
+    prompt = fmt.render(USER, [ADD])
+    for markup in ('{"nam": "add", "arguments": {}}', '{"name": 5, "arguments": {}}',
+                   '{"name": "add", "arguments": [1]}'):
+        ids = tok.encode(f"<tool_call>{markup}</tool_call><|end|>")
+        message = fmt.message(ids, tok.decode(ids, skip_special_tokens=True), prompt, [ADD])
+        assert "tool_calls" not in message and message["content"] == markup
+    ids = tok.encode(CALL)
+    good = fmt.message(ids, tok.decode(ids, skip_special_tokens=True), prompt, [ADD])
+    assert [c["function"]["name"] for c in good["tool_calls"]] == ["add"]
+
+
 # ---------------------------------------------------------------------------------------------- episodes
 def test_episode_turns_extend_the_sampled_tokens_and_come_back_as_segments(served, tok):
     worker, server, client = served
