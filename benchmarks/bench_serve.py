@@ -69,6 +69,10 @@ def messages_of(i: int) -> list[dict]:
 async def run_clients(url: str, job: dict) -> dict:
     import openai
 
+    from clock import RunClock
+
+    clock = RunClock()
+
     pending = list(range(job["requests"]))
     latencies, ttfts, tokens, ids = [], [], 0, {}
     # one client (one connection pool: up to 1000 connections) shared by the callers, built before the clock starts:
@@ -81,28 +85,29 @@ async def run_clients(url: str, job: dict) -> dict:
             i = pending.pop(0)
             kwargs = dict(model=job["model"], messages=messages_of(i), max_tokens=job["max_tokens"], seed=i,
                           extra_body={"ignore_eos": True})
-            start = time.perf_counter()
+            start = clock.now()
             if job["stream"]:
                 got, first = [], None
                 async for chunk in await client.chat.completions.create(stream=True, **kwargs):
                     for c in chunk.choices:
                         new = (c.model_extra or {}).get("token_ids", [])
                         if new and first is None:
-                            first = time.perf_counter() - start
+                            first = clock.now() - start
                         got += new
                 ttfts.append(first)
             else:
                 r = await client.chat.completions.create(**kwargs)
                 got = r.choices[0].model_extra["token_ids"]
-            latencies.append(time.perf_counter() - start)
+            latencies.append(clock.now() - start)
             tokens += len(got)
             ids[i] = got
 
-    start = time.perf_counter()
+    start = clock.now()
     await asyncio.gather(*(one_client() for _ in range(job["clients"])))
-    seconds = time.perf_counter() - start
+    seconds = clock.now() - start
     await client.close()
-    return {"seconds": seconds, "tokens": tokens, "latencies": latencies, "ttfts": ttfts, "ids": ids}
+    return {"seconds": seconds, "tokens": tokens, "latencies": latencies, "ttfts": ttfts, "ids": ids,
+            "paused": clock.paused}
 
 
 def client_main(url: str, job_path: str) -> None:
@@ -144,6 +149,9 @@ def main() -> None:
     from rollout import RolloutWorker, SamplingParams, WorkerConfig
     from rollout.testing import build_tiny_model, load_tiny_model
 
+    from clock import RunClock
+
+    clock = RunClock()  # the runs' times leave out the time this process was paused (SIGSTOP)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     path = build_tiny_model(os.path.join(tempfile.gettempdir(), f"rollout_bench_serve_{args.size}"), size=args.size)
     model, tokenizer = load_tiny_model(path)
@@ -158,9 +166,9 @@ def main() -> None:
           f"load average {os.getloadavg()[0]:.2f}")
 
     def in_process() -> dict:
-        start = time.perf_counter()
+        start = clock.now()
         batch = worker.generate(prompts, params, chat_template=True)
-        seconds = time.perf_counter() - start
+        seconds = clock.now() - start
         return {"seconds": seconds, "tokens": batch.num_tokens,
                 "ids": dict(enumerate(batch.completion_token_lists()))}
 
@@ -174,15 +182,15 @@ def main() -> None:
                     if not pending:
                         return
                     i = pending.pop(0)
-                begin = time.perf_counter()
+                begin = clock.now()
                 ids[i] = worker.generate([prompts[i]], [params[i]], chat_template=True).completion_token_lists()[0]
-                latencies.append(time.perf_counter() - begin)
+                latencies.append(clock.now() - begin)
 
-        start = time.perf_counter()
+        start = clock.now()
         with ThreadPoolExecutor(clients) as pool:
             for f in [pool.submit(one_client) for _ in range(clients)]:
                 f.result()
-        return {"seconds": time.perf_counter() - start, "tokens": sum(len(v) for v in ids.values()),
+        return {"seconds": clock.now() - start, "tokens": sum(len(v) for v in ids.values()),
                 "latencies": latencies, "ids": ids}
 
     n = args.clients
@@ -197,10 +205,10 @@ def main() -> None:
         rounds.append({name: runs[name]() for name in names})
     server.close()
     worker.close()
-    report(args, rounds, n)
+    report(args, rounds, n, clock.paused)
 
 
-def report(args: argparse.Namespace, rounds: list[dict], n: int) -> None:
+def report(args: argparse.Namespace, rounds: list[dict], n: int, paused: float) -> None:
     """The table of the last round (ratios: to "in-process, all" and to the in-process run at the same concurrency),
     the server's ratio per round, and the JSON line."""
     reference = rounds[0]["in-process, all"]["ids"]
@@ -228,6 +236,9 @@ def report(args: argparse.Namespace, rounds: list[dict], n: int) -> None:
         print("server / in-process at the same concurrency, per round: "
               + ", ".join(f"{a:.2f} (streamed {b:.2f})" for a, b in zip(own, streamed)))
     print("tokens: identical across the runs (seeded, ignore_eos)")
+    clients_paused = sum(r.get("paused", 0.0) for res in rounds for r in res.values())
+    print(f"paused (SIGSTOP by the machine's owner) and left out of the times: {paused:.0f} s in this process, "
+          f"{clients_paused:.0f} s in the clients' processes; load average at the end {os.getloadavg()[0]:.2f}")
     summary = {"bench": "serve", "size": args.size, "requests": args.requests, "clients": n,
                "max_tokens": args.max_tokens, "tokens_per_s": {k: round(v, 1) for k, v in last_rate.items()},
                "ratio_server_same_concurrency": round(statistics.median(own), 3),
@@ -238,7 +249,7 @@ def report(args: argparse.Namespace, rounds: list[dict], n: int) -> None:
                "latency_p99_s": round(percentile(last[f"server, {n} clients"]["latencies"], .99), 3),
                "ttft_p50_s": round(percentile(last[f"streamed, {n} clients"]["ttfts"], .5), 3),
                "ttft_p99_s": round(percentile(last[f"streamed, {n} clients"]["ttfts"], .99), 3),
-               "load_average": round(os.getloadavg()[0], 2)}
+               "paused_s": round(paused, 1), "load_average": round(os.getloadavg()[0], 2)}
     print(json.dumps(summary))
 
 
