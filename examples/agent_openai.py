@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--groups", type=int, default=4, help="secrets per step (one GRPO group each)")
     parser.add_argument("--episodes", type=int, default=8, help="episodes per group")
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=3e-4, help="AdamW; at 1e-3 and above the first updates undo "
+                        "the warm-up's 34-token call and the policy stops calling the tool")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-gain", type=float, default=0.3)
     args = parser.parse_args(argv)
