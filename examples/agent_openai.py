@@ -76,6 +76,20 @@ def warm_up_pairs(tokenizer, num: int, seed: int, calls: int = 16) -> list[tuple
     return pairs
 
 
+def one_row_per_episode(batch, tokenizer):
+    """GRPO's rows: one per episode. An episode is one segment unless its first turn did not end the template's way
+    (e.g. max_tokens cut it after the call): the server then renders the second prompt afresh and records it as a
+    second segment. Such an episode trains on its last segment (the answer, with the whole chat as its prompt)."""
+    from rollout import RolloutBatch
+
+    rows = batch.rows()
+    last = {int(e): i for i, e in enumerate(batch.episode_index.tolist())}
+    if len(last) == len(rows):
+        return batch
+    return RolloutBatch.from_rows([rows[last[e]] for e in sorted(last)], pad_token_id=tokenizer.pad_token_id,
+                                  tokenizer=tokenizer)
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -115,8 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             ids = [f"step{step}-g{g}-e{e}" for g in range(args.groups) for e in range(args.episodes)]
             rewards = list(agents.map(lambda i: run_agent(client, "agent", ids[i], secrets[i // args.episodes]),
                                       range(len(ids))))
-            batch = server.take_episode(ids)  # rows in the order of ids: each group's episodes together
-            assert batch.episode_index.tolist() == list(range(len(ids))), "an episode was not one segment"
+            batch = one_row_per_episode(server.take_episode(ids), tokenizer)  # in the order of ids: groups together
             metrics = trainer.learn(batch, rewards, rollout_s=time.perf_counter() - rollout_start)
             rewards_per_step.append(metrics["reward_mean"])
             print(f"step {step + 1:3d}  reward {metrics['reward_mean']:.3f}  turns {metrics['num_turns']:.2f}  "
