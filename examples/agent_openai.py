@@ -16,8 +16,8 @@ and the server keeps serving the new weights.
 
 The tiny random model first gets a short supervised warm-up on the format: the question answered by the call to
 `peek` (34 tokens of markup with this tokenizer, within the first turn's FIRST_TURN_TOKENS: a call cut short does
-not parse, and the episode ends unrewarded at one turn), and a tool result answered by one *random* digit (the warm-
-up teaches the shape of an answer, not to copy the tool's result). GRPO must learn the rest. The run prints the
+not parse, and the episode ends unrewarded at one turn), and a tool result answered by one *random* digit (the
+warm-up teaches the shape of an answer, not to copy the tool's result). GRPO must learn the rest. The run prints the
 reward per step and exits 1 unless it rose by --min-gain.
 """
 
