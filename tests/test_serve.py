@@ -179,6 +179,23 @@ def test_tool_calls_are_parsed_by_the_tokenizers_own_parser(served, tok):
     assert error.value.body["param"] == "tool_choice"
 
 
+def test_a_call_of_valid_json_but_not_a_calls_shape_is_plain_content(tok):
+    """A sampled call whose JSON parses but has no string name (or arguments that are not an object) is returned as
+    content, not as a tool call the client could not send back (the server refuses such a message with a 400)."""
+    from rollout.server.chat import ChatFormat
+
+    fmt = ChatFormat(tok)
+    prompt = fmt.render(USER, [ADD])
+    for markup in ('{"nam": "add", "arguments": {}}', '{"name": 5, "arguments": {}}',
+                   '{"name": "add", "arguments": [1]}'):
+        ids = tok.encode(f"<tool_call>{markup}</tool_call><|end|>")
+        message = fmt.message(ids, tok.decode(ids, skip_special_tokens=True), prompt, [ADD])
+        assert "tool_calls" not in message and message["content"] == markup
+    ids = tok.encode(CALL)
+    good = fmt.message(ids, tok.decode(ids, skip_special_tokens=True), prompt, [ADD])
+    assert [c["function"]["name"] for c in good["tool_calls"]] == ["add"]
+
+
 # ---------------------------------------------------------------------------------------------- episodes
 def test_episode_turns_extend_the_sampled_tokens_and_come_back_as_segments(served, tok):
     worker, server, client = served
@@ -410,3 +427,26 @@ def _healthy(port: int) -> bool:
         return http(f"http://127.0.0.1:{port}/health")[0] == 200
     except OSError:
         return False
+
+
+def test_the_agent_examples_warm_up_call_parses_and_fits_its_first_turn(tok):
+    """examples/agent_openai.py: the call its warm-up teaches is what the chat template writes, parses as a call to
+    `peek`, and fits the first turn's max_tokens (a call cut short never parses: no episode reaches the tool, and
+    GRPO has nothing to learn from); its answers fit the second turn's."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("agent_openai", os.path.join(
+        os.path.dirname(__file__), "..", "examples", "agent_openai.py"))
+    agent = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(agent)
+    pairs = agent.warm_up_pairs(tok, 8, seed=0, calls=2)
+    (first, call), answers = pairs[0], pairs[2:]
+    assert pairs[1] == pairs[0] and len(answers) == 8
+    said = [{"role": "assistant", "content": None,
+             "tool_calls": [{"type": "function", "function": {"name": "peek", "arguments": {}}}]}]
+    rendered = tok.apply_chat_template(agent.QUESTION + said, tools=[agent.PEEK], return_dict=False)
+    assert rendered == first + call
+    parsed = tok.parse_response(call, prefix=first, tools=[agent.PEEK])
+    assert [c["function"]["name"] for c in parsed["tool_calls"]] == ["peek"]
+    assert len(call) <= agent.FIRST_TURN_TOKENS
+    assert all(len(a) <= agent.ANSWER_TOKENS and tok.decode(a[:1]).isdigit() for _, a in answers)

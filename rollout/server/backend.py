@@ -31,7 +31,11 @@ Progress = tuple[int, int, list[int], list[float], list[int]]  # prompt index, s
 
 
 class Generation:
-    """One request's work. `progress` (streamed requests): an asyncio.Queue of `Progress`, then None at the end."""
+    """One request's work. `progress` (streamed requests): an asyncio.Queue of `Progress`, then None at the end.
+
+    The engine reports a streamed row after every step with everything it has so far, so the reports of one row
+    that arrive before the loop gets to them are merged into the latest (one chunk with several tokens, not several
+    chunks): the engine thread hands over at most one wake-up of the loop per request until the loop has run it."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, streaming: bool) -> None:
         self.loop = loop
@@ -39,6 +43,8 @@ class Generation:
         self._done: asyncio.Future = loop.create_future()
         self._cancel: Callable[[], None] | None = None
         self.cancelled = False
+        self._latest: dict[tuple[int, int], Progress] = {}  # per row, the newest report the loop has not taken
+        self._latest_lock = threading.Lock()
 
     async def result(self) -> RolloutBatch:
         return await asyncio.shield(self._done)
@@ -57,8 +63,13 @@ class Generation:
     # --- called from other threads
     def push(self, prompt_index: int, sample_index: int, ids: list[int], logprobs: list[float],
              versions: list[int]) -> None:
-        if self.progress is not None:
-            self._on_loop(self.progress.put_nowait, (prompt_index, sample_index, ids, logprobs, versions))
+        if self.progress is None:
+            return
+        with self._latest_lock:
+            wake = not self._latest
+            self._latest[prompt_index, sample_index] = (prompt_index, sample_index, ids, logprobs, versions)
+        if wake:
+            self._on_loop(self._deliver)
 
     def finish(self, outcome: Callable[[], RolloutBatch]) -> None:
         """The work is over: `outcome()` (run on the loop) gives the batch or raises."""
@@ -70,6 +81,12 @@ class Generation:
         except RuntimeError:  # the loop is closed: the server is gone, nobody waits
             pass
 
+    def _deliver(self) -> None:
+        with self._latest_lock:
+            latest, self._latest = self._latest, {}
+        for item in latest.values():
+            self.progress.put_nowait(item)
+
     def _settle(self, outcome: Callable[[], RolloutBatch]) -> None:
         if not self._done.done():
             try:
@@ -78,6 +95,7 @@ class Generation:
                 self._done.set_exception(error)
                 self._done.exception()  # marked retrieved: a request whose client left logs nothing
         if self.progress is not None:
+            self._deliver()  # reports not delivered yet come before the end
             self.progress.put_nowait(None)
 
 

@@ -8,7 +8,9 @@ to an assistant message through its own `parse_response`.
 - `end_of_turn`: the token that closes an assistant turn in this template (`<|im_end|>`, `<|eot_id|>`, ...), found
   by rendering a one-turn chat: chat requests stop on it as well as on the model's EOS.
 - `message(ids, prompt, tools)`: the assistant message of a completion. With tools, `tokenizer.parse_response` (its
-  `response_template`) splits content and tool calls; a completion the parser rejects is plain content.
+  `response_template`) splits content and tool calls; a completion the parser rejects, or whose calls are not
+  `{"name": <string>, "arguments": <object or string>}` (valid JSON of another shape), is plain content: a call the
+  server returns can always be sent back.
 - `continuation(...)`: the next prompt of an episode built from the tokens the model actually sampled, plus the
   rendering of the messages that came after them (see docs/serve.md, "Episodes"): no re-tokenized history.
 """
@@ -72,7 +74,7 @@ class ChatFormat:
                 parsed = self.tokenizer.parse_response(ids, prefix=prompt, tools=tools)
             except ValueError:  # the model's call did not parse: the turn is plain text, as it was written
                 parsed = None
-            if isinstance(parsed, dict) and parsed.get("tool_calls"):
+            if isinstance(parsed, dict) and parsed.get("tool_calls") and all(map(_is_call, parsed["tool_calls"])):
                 message = {k: v for k, v in parsed.items() if k not in ("role", "tool_calls")}
                 message.setdefault("content", None)
                 return {"role": "assistant", **message, "tool_calls": [openai_call(c) for c in parsed["tool_calls"]]}
@@ -157,6 +159,14 @@ def _template_call(call: Any, index: int) -> dict:
     if call.get("id") is not None:
         out["id"] = call["id"]
     return out
+
+
+def _is_call(call: Any) -> bool:
+    """Whether a parsed call has what OpenAI's shape needs: a function name, and arguments that are an object (or
+    absent, or a string as some templates write them)."""
+    function = call.get("function", call) if isinstance(call, dict) else None
+    return isinstance(function, dict) and isinstance(function.get("name"), str) and \
+        isinstance(function.get("arguments", {}), (dict, str))
 
 
 def openai_call(call: dict) -> dict:

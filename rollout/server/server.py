@@ -25,6 +25,7 @@ from .episodes import EpisodeBatch, EpisodeRecorder
 from .service import Limits, Service
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
+KEEP_ALIVE_S = 75  # seconds an idle client connection stays open
 
 
 class Server:
@@ -44,8 +45,12 @@ class Server:
         self.model_name = model_name or default_model_name(rollouts)
         service = Service(self.backend, ChatFormat(tokenizer), self.recorder, self.model_name, limits_of(rollouts))
         app = build_app(service, api_key, lambda: int(rollouts.policy_version))
+        # keep-alive longer than clients keep idle connections (httpx, under openai: 5 s), so the client is the one
+        # that closes them: at uvicorn's own 5 s the two race, and a request sent on a connection the server is
+        # closing fails with "Server disconnected without sending a response" (the agent example hit it after a
+        # training step longer than 5 s)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                                timeout_graceful_shutdown=2, lifespan="off")
+                                timeout_graceful_shutdown=2, timeout_keep_alive=KEEP_ALIVE_S, lifespan="off")
         self._uvicorn = uvicorn.Server(config)
         self.host, self.port = host, port
         self._thread: threading.Thread | None = None
