@@ -35,40 +35,15 @@ import json
 import os
 import sys
 import tempfile
-import threading
-import time
 
 import torch
 
 from rollout import RolloutBatch, RolloutCollector, RolloutWorker, SamplingParams, WorkerConfig, nonzero_std
 from rollout.testing import build_tiny_model
 
+from clock import RunClock  # benchmarks/clock.py: wall time less SIGSTOP pauses
+
 N = 8  # samples per prompt
-
-
-class RunClock:
-    """Wall time less the time this process was stopped: on the shared benchmark machine processes at low priority
-    are paused (SIGSTOP) while someone else measures. A thread ticks every 20 ms; a gap longer than 0.5 s between two
-    ticks is counted as paused and left out of every interval."""
-
-    def __init__(self) -> None:
-        self.paused = 0.0
-        self._stop = threading.Event()
-        threading.Thread(target=self._tick, daemon=True).start()
-
-    def _tick(self) -> None:
-        last = time.monotonic()
-        while not self._stop.wait(0.02):
-            now = time.monotonic()
-            if now - last > 0.5:
-                self.paused += now - last - 0.02
-            last = now
-
-    def now(self) -> float:
-        return time.monotonic() - self.paused
-
-    def close(self) -> None:
-        self._stop.set()
 
 
 CLOCK = RunClock()
