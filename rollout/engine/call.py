@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections import Counter
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -95,7 +95,6 @@ class Call:
             with self.changed:
                 self.completed.append(sample.prompt_index)
                 self.changed.notify_all()
-
 
     def add_done_callback(self, fn: Callable[[], None]) -> None:
         """Run `fn()` once the call is settled: at once (here) if it already is, else on the thread that settles it."""

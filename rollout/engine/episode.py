@@ -159,9 +159,8 @@ class Episode:
 
     def _restart_from(self, context: list[int]) -> None:
         room = self.limit - len(context) if self.limit is not None else None
-        budget = min(b for b in (room, self.cap) if b is not None) if (room, self.cap) != (None, None) \
-            else self.max_tokens
-        self.segments.append(Segment(list(context), budget))
+        bounds = [b for b in (room, self.cap) if b is not None]
+        self.segments.append(Segment(list(context), min(bounds, default=self.max_tokens)))
 
     def _end(self, reason: str) -> bool:
         self.finish_reason = reason

@@ -51,12 +51,12 @@ class TurnTrace:
         wall = max(end - self.start, 1e-9)
         latencies = sorted(b - a for a, b in self.waits)
         durations = sorted(b - a for a, b in self.steps)
+        idle = idle_while_waiting(self.waits, self.steps)
         return {
             "turns": len(latencies),
             "latency_p50_s": _quantile(latencies, 0.5), "latency_p99_s": _quantile(latencies, 0.99),
             "step_p50_s": statistics.median(durations) if durations else 0.0, "steps": len(durations),
-            "idle_with_ready_s": idle_while_waiting(self.waits, self.steps),
-            "idle_with_ready_fraction": idle_while_waiting(self.waits, self.steps) / wall, "wall_s": wall,
+            "idle_with_ready_s": idle, "idle_with_ready_fraction": idle / wall, "wall_s": wall,
             **wait_parts(self.waits, self.steps),
         }
 
