@@ -314,12 +314,11 @@ class RolloutCollector:
         with self._cond:
             stale = [w for w in self._waves if w.version < self._oldest_allowed()]
         if stale:
-            undelivered = self._cancel(stale)
-            self._stats["aborted_rows"] += sum(g.params.n for g in undelivered)
-            self._requeue(undelivered)
+            self._requeue(self._cancel(stale))
 
     def _cancel(self, waves: list[_Wave]) -> list[PromptGroup]:
-        """Cancel waves and wait for their feeders; returns their groups never handed on."""
+        """Cancel waves and wait for their feeders; returns their groups never handed on (their rows counted as
+        aborted)."""
         for wave in waves:
             wave.future.cancel()
             self._stats["over_generated_tokens"] += int(getattr(wave.future, "discarded_tokens", 0))
@@ -332,14 +331,14 @@ class RolloutCollector:
                 wave.delivered.update(range(len(wave.groups)))
                 if wave in self._waves:
                     self._waves.remove(wave)
+        self._stats["aborted_rows"] += sum(g.params.n for g in undelivered)
         return undelivered
 
     def _cancel_all(self) -> None:
         """partial=False at the end of a batch: cancel every wave, drop every unused group."""
         with self._cond:
             waves = list(self._waves)
-        undelivered = self._cancel(waves)
-        self._stats["aborted_rows"] += sum(g.params.n for g in undelivered)
+        self._cancel(waves)
         with self._cond:
             self._cond.wait_for(lambda: self._scoring == 0)
             dropped, self._ready = list(self._ready), deque()

@@ -39,7 +39,6 @@ class PromptSource:
                           "pass a list, or cycle=False")
         if isinstance(prompts, Sequence) and len(prompts) == 0:
             raise invalid("prompts", "[]", "must not be empty", "pass at least one prompt")
-        self._items = prompts
         self._iter = iter(_cycled(prompts) if cycle else prompts)
         self._back: deque[PromptGroup] = deque()
         self._next_draw = 0
