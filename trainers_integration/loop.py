@@ -27,8 +27,8 @@ from rollout import EpisodeSpec, RolloutBatch, RolloutCollector, Rollouts, nonze
 from .config import RolloutTrainerConfig
 from .pipeline import Pipeline, staleness
 from .tracking import loggable, rollout_metrics, zero_variance_fraction
-from .rollouts import (PromptsExhausted, episode_rewards, flat_prompts, prompt_stream, push_weights, reference_logprobs,
-                       rewards_tensor, shares_model, timed_generate)
+from .rollouts import (PromptsExhausted, episode_rewards, episode_starts, flat_prompts, prompt_stream, push_weights,
+                       reference_logprobs, rewards_tensor, shares_model, timed_generate)
 
 
 class RolloutLoop:
@@ -127,8 +127,8 @@ class RolloutLoop:
         cfg = self.config
         rewards = episode_rewards(rewards, batch)  # one per episode (an episode has a row per segment)
         ref = reference_logprobs(self.ref_model, batch, cfg.temperature) if self.ref_model is not None else None
-        first = torch.ones(len(batch), dtype=torch.bool)  # each episode's first row
-        first[1:] = batch.episode_index[1:] != batch.episode_index[:-1]
+        first = episode_starts(batch.episode_index)
+        zero_variance = zero_variance_fraction(rewards, batch.prompt_index[first])  # of the batch's own groups
         train_start = time.perf_counter()
         self.step_version = version  # tokens of older versions are stale
         stats = self._update(batch, rewards, ref)
@@ -148,10 +148,10 @@ class RolloutLoop:
             "rollout_s": rollout_s, "train_s": train_s, "refresh_s": refresh_s,
             "staleness": float(staleness(batch, version)),
             "dropped_batches": float(self.pipeline.num_dropped if self.pipeline is not None else 0),
-            "zero_variance_frac": self._zero_variance(batch, rewards, batch.prompt_index[first]),
+            "zero_variance_frac": self._zero_variance(batch, zero_variance),
             **self._collector_metrics(batch),
             "step_s": time.perf_counter() - start,
-            "zero_variance_groups": zero_variance_fraction(rewards, batch.prompt_index[first]),
+            "zero_variance_groups": zero_variance,
             **rollout_metrics(self.rollouts),
         }
         self.history.append(metrics)
@@ -159,14 +159,14 @@ class RolloutLoop:
             self.tracker.log(loggable(metrics), step=self.num_steps)
         return metrics
 
-    def _zero_variance(self, batch: RolloutBatch, rewards: torch.Tensor, prompt_index: torch.Tensor) -> float:
+    def _zero_variance(self, batch: RolloutBatch, of_batch: float) -> float:
         """The fraction of the step's finished groups whose rewards were all equal: with dynamic sampling, of every
         group the collector judged (the batch holds only the others); otherwise of the batch's own groups."""
         stats = batch.stats
         if self.collector is not None and getattr(self.config, "dynamic_sampling", False):
             judged = stats["accepted_groups"] + stats["rejected_groups"]
             return stats["rejected_groups"] / judged if judged else 0.0
-        return zero_variance_fraction(rewards, prompt_index)
+        return of_batch
 
     def _collector_metrics(self, batch: RolloutBatch) -> dict[str, float]:
         if self.collector is None:

@@ -98,15 +98,20 @@ def rewards_tensor(rewards: Any, num_rows: int) -> torch.Tensor:
     return values
 
 
+def episode_starts(episode_index: torch.Tensor) -> torch.Tensor:
+    """(R,) bool: True on each episode's first row (an episode's rows are consecutive)."""
+    first = torch.ones(len(episode_index), dtype=torch.bool)
+    first[1:] = episode_index[1:] != episode_index[:-1]
+    return first
+
+
 def episode_rewards(rewards: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
     """(E,) one reward per episode from one per row: an episode with several rows (segments) must have the same
     reward on each (`batch.rewards` does)."""
     index = batch.episode_index
     if len(index) == 0 or int(index.max()) + 1 == len(index):
         return rewards
-    first = torch.ones(len(index), dtype=torch.bool)
-    first[1:] = index[1:] != index[:-1]
-    per_episode = rewards[first]
+    per_episode = rewards[episode_starts(index)]
     if not torch.equal(per_episode[index], rewards):
         row = int(torch.nonzero(per_episode[index] != rewards)[0])
         raise ValueError(f"reward_fn gave row {row} a reward that differs from the other rows of its episode "
