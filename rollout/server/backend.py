@@ -201,11 +201,12 @@ class BatchingBackend:
         rows = batch.rows()
         offset = 0
         tokenizer = getattr(self.rollouts, "tokenizer", None)
+        pad = pad_token_id(tokenizer)
         for job in jobs:
             mine = [dataclasses.replace(r, prompt_index=r.prompt_index - offset) for r in rows
                     if offset <= r.prompt_index < offset + len(job.prompts)]
             offset += len(job.prompts)
-            result = RolloutBatch.from_rows(mine, pad_token_id=pad_token_id(tokenizer), tokenizer=tokenizer)
+            result = RolloutBatch.from_rows(mine, pad_token_id=pad, tokenizer=tokenizer)
             job.generation.finish(lambda result=result: result)
 
 

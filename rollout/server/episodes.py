@@ -164,6 +164,5 @@ class EpisodeRecorder:
                                 seg.finish_reason, min(versions) if versions else -1, action_mask=seg.action_mask,
                                 num_turns=seg.num_turns, token_versions=seg.token_versions, segment_index=s))
                 names.append(episode_id)
-        batch = RolloutBatch.from_rows(rows, pad_token_id=self.pad_token_id, tokenizer=self.tokenizer)
-        base = {f.name: getattr(batch, f.name) for f in dataclasses.fields(RolloutBatch)}
-        return EpisodeBatch(**base, episode_ids=names)
+        batch = EpisodeBatch.from_rows(rows, pad_token_id=self.pad_token_id, tokenizer=self.tokenizer)
+        return dataclasses.replace(batch, episode_ids=names)
