@@ -86,10 +86,11 @@ def test_generate_on_a_sleeping_worker_wakes_it_and_sleep_waits_for_in_flight_ca
     caller.start()
     while not worker.engine._pending and "batch" not in result:  # until the call is in the engine
         threading.Event().wait(0.005)
-    worker.sleep()  # waits for it
-    assert worker.is_sleeping and "batch" in result
-    caller.join()
+    worker.sleep()  # waits for it: every row finished before the engine stopped
+    assert worker.is_sleeping and not worker.engine._pending
+    caller.join(timeout=30)  # the caller's own return (building its batch) comes after the engine's part
     assert result["batch"].completion_lengths.tolist() == [60] * 4
+    assert worker.is_sleeping  # the call never needed the engine again: it was complete when sleep returned
     batch = worker.generate([prompt_of(5, seed=3)], SamplingParams(temperature=0.0, max_new_tokens=4))
     assert not worker.is_sleeping and len(batch) == 1
     worker.sleep()
