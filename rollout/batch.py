@@ -38,6 +38,8 @@ class Row:
     segment_index: int = 0  # which segment of its episode (0 without an environment)
     turn_rewards: list[float] | None = None  # per completion token: a turn's reward on its last token; None: zeros
     routing: Routing | None = None  # the row's experts (one row), when the worker records routing
+    top_ids: list[list[int]] | None = None  # per completion token, SamplingParams.top_logprobs most likely ids
+    top_logprobs: list[list[float]] | None = None  # their logprobs (an observation token's lists are empty)
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,11 @@ class RolloutBatch:
     routing: None, or (with WorkerConfig(record_routing=True) on a mixture of experts) the experts the engine's own
         forward chose at every position of each row, prompt and completion (`rollout.moe.Routing`: per row a
         (positions, layers, top_k) uint8 tensor and the routers' names), for `rollout.replay_routing`.
+    top_ids: None, or (when some row's SamplingParams ask `top_logprobs`) (R, T, K) int64, at each completion token
+        the K most likely tokens, most likely first, K the largest `top_logprobs` asked; -1 where a row has fewer
+        (it asked fewer, an observation token, padding).
+    top_logprobs: None, or (R, T, K) float32, their logprobs under the same log_softmax(logits / T) as `logprobs`
+        (the sampled token's entry, when listed, equals its `logprobs` value); -inf where `top_ids` is -1.
     stats: counts of the call: `prompt_tokens` (what its engine requests were prompted with, every turn of an
         episode counted), `reused_tokens` (of those, served by the prefix cache), `prefill_tokens` (the rest).
     """
@@ -97,6 +104,8 @@ class RolloutBatch:
     segment_index: torch.Tensor
     turn_rewards: torch.Tensor
     routing: Routing | None = field(default=None, compare=False)
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
     stats: dict[str, int] = field(default_factory=dict, compare=False)
     tokenizer: Any = field(default=None, repr=False, compare=False)
 
@@ -142,6 +151,7 @@ class RolloutBatch:
             segment_index=torch.tensor([r.segment_index for r in rows], dtype=torch.long),
             turn_rewards=turn_rewards,
             routing=_routing(rows),
+            **_tops(rows, width),
             stats=_stats(rows),
             tokenizer=tokenizer,
         )
@@ -169,8 +179,18 @@ class RolloutBatch:
                 token_versions=self.token_versions[i, :length].tolist(),
                 num_turns=int(self.num_turns[i]), error=self.errors[i], segment_index=int(self.segment_index[i]),
                 turn_rewards=self.turn_rewards[i, :length].tolist(),
-                routing=None if self.routing is None else self.routing.select([i]), **self._row_stats(i)))
+                routing=None if self.routing is None else self.routing.select([i]), **self._row_tops(i, length),
+                **self._row_stats(i)))
         return out
+
+    def _row_tops(self, i: int, length: int) -> dict[str, list]:
+        """Row i's top lists as per-token lists, each cut at its first -1 (what the row had)."""
+        if self.top_ids is None:
+            return {}
+        ids, values = self.top_ids[i, :length].tolist(), self.top_logprobs[i, :length].tolist()
+        counts = [token.index(-1) if -1 in token else len(token) for token in ids]
+        return {"top_ids": [token[:k] for token, k in zip(ids, counts)],
+                "top_logprobs": [token[:k] for token, k in zip(values, counts)]}
 
     def _row_stats(self, i: int) -> dict[str, int]:
         """The call's token counts travel on its first row, so merged batches add up."""
@@ -217,6 +237,22 @@ def _routing(rows: Sequence[Row]) -> Routing | None:
         raise ValueError(f"{have.count(False)} of {len(rows)} rows have no routing: rows recorded with and without "
                          "record_routing cannot be batched together. Fix: record routing on every worker.")
     return Routing.concat([r.routing for r in rows])
+
+
+def _tops(rows: Sequence[Row], width: int) -> dict[str, torch.Tensor | None]:
+    """top_ids / top_logprobs as (R, T, K) tensors, K the longest list; None when no row has any."""
+    if all(r.top_ids is None for r in rows):
+        return {"top_ids": None, "top_logprobs": None}
+    k = max((len(ids) for r in rows for ids in r.top_ids or ()), default=0)
+    ids, values = [], []
+    for row in rows:
+        row_ids, row_values = list(row.top_ids or ()), list(row.top_logprobs or ())
+        row_ids += [[]] * (width - len(row_ids))
+        row_values += [[]] * (width - len(row_values))
+        ids.append([t + [-1] * (k - len(t)) for t in row_ids])
+        values.append([v + [float("-inf")] * (k - len(v)) for v in row_values])
+    return {"top_ids": torch.tensor(ids, dtype=torch.long).view(len(rows), width, k),
+            "top_logprobs": torch.tensor(values, dtype=torch.float32).view(len(rows), width, k)}
 
 
 def _stats(rows: Sequence[Row]) -> dict[str, int]:

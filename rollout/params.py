@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from .errors import check_int, invalid
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs; the sampler's top-k pass and each step's output hold this many
+
 # Controls other engines offer that this one cannot honour per request, with their neutral values. They are fields
 # so that asking for them is a ValueError naming them, never a silent drop (transformers' engine drops several of
 # these with only a warning).
@@ -31,6 +33,9 @@ class SamplingParams:
     ignore_eos: generate up to max_new_tokens whatever is sampled.
     seed: when set, each sample draws from its own generator seeded from (seed, sample index), so its tokens do not
         depend on what else is in the batch.
+    top_logprobs: at each sampled position, also return the k most likely tokens and their logprobs under the same
+        log_softmax(logits / T) as `logprobs` (`RolloutBatch.top_ids` / `top_logprobs`); 0 (the default) returns none
+        and costs nothing. At most MAX_TOP_LOGPROBS (20, OpenAI's limit).
     """
 
     n: int = 1
@@ -41,6 +46,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | None = None
     ignore_eos: bool = False
     seed: int | None = None
+    top_logprobs: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -57,7 +63,7 @@ class SamplingParams:
             if getattr(self, key) != neutral:
                 raise invalid(key, getattr(self, key), "this engine cannot apply it per request",
                               f"leave it at {neutral} (supported: n, temperature, top_k, top_p, max_new_tokens, "
-                              "stop_token_ids, ignore_eos, seed)")
+                              "stop_token_ids, ignore_eos, seed, top_logprobs)")
         check_int("n", self.n, 1, "use n >= 1 samples per prompt")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
                 or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -73,6 +79,8 @@ class SamplingParams:
                 check_int("stop_token_ids", token, 0, "pass non-negative token ids")
         if self.seed is not None:
             check_int("seed", self.seed, 0, "use a non-negative integer seed or None")
+        check_int("top_logprobs", self.top_logprobs, 0, f"use 0 for none, or at most {MAX_TOP_LOGPROBS} alternatives "
+                  "per token", maximum=MAX_TOP_LOGPROBS)
 
     @property
     def is_greedy(self) -> bool:

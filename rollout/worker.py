@@ -39,7 +39,10 @@ from .future import RolloutFuture
 from .params import SamplingParams
 from . import adapters, weights as weights_mod
 
-TokenCallback = Callable[[int, int, list[int], list[float], list[int]], None]
+# on_tokens(prompt_index, sample_index, token_ids, logprobs, token_versions, top): top is None, or per token the
+# (ids, logprobs) of its SamplingParams.top_logprobs most likely tokens
+TokenCallback = Callable[[int, int, list[int], list[float], list[int], list[tuple[list[int], list[float]]] | None],
+                         None]
 _LIVE_WORKERS: "weakref.WeakSet[RolloutWorker]" = weakref.WeakSet()
 
 
@@ -136,9 +139,10 @@ class RolloutWorker:
         updates may land while they run (`update_weights(..., in_flight=...)`), and every token of the result says
         which version produced it (`batch.token_versions`).
 
-        `on_tokens(prompt_index, sample_index, token_ids, logprobs, token_versions)` streams the call (not with
+        `on_tokens(prompt_index, sample_index, token_ids, logprobs, token_versions, top)` streams the call (not with
         `env`): called on the engine thread after every step that samples a token for a row, with everything the row
-        has so far; it must return at once (hand the lists to another thread). A row re-run after an engine restart
+        has so far (`top`: None, or per token the (ids, logprobs) of its `top_logprobs` most likely tokens); it must
+        return at once (hand the lists to another thread). A row re-run after an engine restart
         or an "abort" update reports from its first token again. The batch at the end holds the same tokens."""
         if self._half_updated is not None:
             raise RuntimeError(f"the weights are half-updated: {self._half_updated}. Fix: send the whole state dict "
@@ -150,7 +154,7 @@ class RolloutWorker:
         groups = self._prepare(prompts, sampling, chat_template, spec)
         call = Call([s for group in groups for s in group], on_over=lambda _: self._leave_generation_mode(),
                     on_tokens=None if on_tokens is None else
-                    lambda s, ids, lps, vs: on_tokens(s.prompt_index, s.sample_index, ids, lps, vs))
+                    lambda s, ids, lps, vs, top: on_tokens(s.prompt_index, s.sample_index, ids, lps, vs, top))
         future = RolloutFuture(call, self.engine.cancel, self._batch_of)
         self._enter_generation_mode()
         if call.samples:

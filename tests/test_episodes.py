@@ -107,6 +107,23 @@ def test_every_model_token_of_every_turn_matches_a_forward_over_the_whole_episod
         assert env.closed == 1
 
 
+def test_top_logprobs_of_every_model_turn_and_none_on_observations(worker):
+    params = SamplingParams(n=2, temperature=0.9, max_new_tokens=5, ignore_eos=True, seed=2, top_logprobs=4)
+    batch = worker.generate(prompts_of([13, 30]), params, env=Recorder(obs_len=6), max_turns=3)
+    assert batch.top_ids.shape[2] == 4
+    for r in range(len(batch)):
+        n = int(batch.completion_lengths[r])
+        ids, action = batch.completion_ids[r, :n], batch.action_mask[r, :n]
+        with torch.no_grad():
+            logits = worker.model(torch.tensor([batch.prompt_ids[r] + ids.tolist()])).logits[0]
+        reference = torch.log_softmax(logits[len(batch.prompt_ids[r]) - 1: -1].float() / 0.9, dim=-1)[action]
+        listed, values = batch.top_ids[r, :n][action], batch.top_logprobs[r, :n][action]
+        assert torch.allclose(values, reference.topk(4, dim=-1).values, atol=TOL, rtol=0)
+        assert torch.allclose(reference.gather(1, listed), values, atol=TOL, rtol=0)
+        assert (batch.top_ids[r, :n][~action] == -1).all() and torch.isneginf(batch.top_logprobs[r, :n][~action]).all()
+        assert int(action.sum()) == 15 and int((~action).sum()) == 12  # three turns, two observations
+
+
 def test_turn_k_prefills_only_its_observation_and_the_partial_last_page(worker):
     prompts = prompts_of([37, 50], seed=1)
     params = SamplingParams(n=1, max_new_tokens=8, ignore_eos=True)

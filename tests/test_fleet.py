@@ -206,10 +206,18 @@ def test_rows_come_back_in_input_order_and_equal_a_plain_forward(fleet, local):
     assert isinstance(fleet, Rollouts)  # what trainers type against, as a RolloutWorker is
     prompts = [prompt_of(n, seed) for seed, n in enumerate([3, 17, 5, 40, 9, 1, 28, 12])]
     params = [SamplingParams(n=1 + i % 3, temperature=[1.0, 0.0, 0.7][i % 3], top_k=[0, 0, 20][i % 3],
-                             max_new_tokens=8 + 4 * i) for i in range(len(prompts))]
+                             max_new_tokens=8 + 4 * i, top_logprobs=[0, 3, 5][i % 3]) for i in range(len(prompts))]
     before = [s["num_rows"] for s in _stats(fleet)]
     batch = fleet.generate(prompts, params)
     assert_exact(local, batch, prompts, params)
+    for r, completion in enumerate(batch.completion_token_lists()):  # top lists travel with the actors' rows
+        p, n = params[int(batch.prompt_index[r])], len(completion)
+        with torch.no_grad():
+            logits = local(torch.tensor([batch.prompt_ids[r] + completion])).logits[0, -n - 1: -1]
+        expected = torch.log_softmax(logits / (p.temperature or 1.0), dim=-1).topk(max(p.top_logprobs, 1))
+        assert (batch.top_ids[r, :n, p.top_logprobs:] == -1).all()
+        assert torch.allclose(batch.top_logprobs[r, :n, :p.top_logprobs], expected.values[:, :p.top_logprobs],
+                              atol=TOL)
     assert batch.policy_version.tolist() == [0] * len(batch)
     assert all(s["num_rows"] > b for s, b in zip(_stats(fleet), before))  # both actors worked
     assert fleet.generate([]).prompt_ids == []

@@ -22,7 +22,7 @@ def sample(logits, params, keys=None, positions=None, passes=ALL):
     keys = keys if keys is not None else [stream_key(9, i) for i in range(num)]
     rows = SamplingRows.of([RowSpec(p, k) for p, k in zip(params, keys)])
     positions = torch.zeros(num, dtype=torch.long) if positions is None else torch.as_tensor(positions)
-    return sample_rows(logits, rows, positions, passes)
+    return sample_rows(logits, rows, positions, passes)[:3]  # tokens, logprobs, sampling logprobs
 
 
 def test_truncation_keeps_top_k_then_the_smallest_top_p_set():
@@ -162,3 +162,40 @@ def test_the_slot_table_gives_back_each_requests_parameters_and_reuses_slots_of_
     assert table.slots(["r4"]) and grown == [8]  # every slot live: the table doubles
     check(["r1", "r2", "r3", "r4"])
     assert table.passes([first[0]]) == specs["r3"].passes
+
+
+def test_top_lists_are_the_k_most_likely_tokens_of_the_same_log_softmax_as_the_sampled_logprob():
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(3)) * 4
+    params = [SamplingParams(temperature=t, top_logprobs=k, top_k=tk)
+              for t, k, tk in [(1.0, 5, 0), (0.7, 20, 0), (0.0, 3, 0), (1.3, 1, 40), (1.0, 0, 0), (2.0, 20, 0)]]
+    specs = [RowSpec(p, stream_key(9, i)) for i, p in enumerate(params)]
+    passes = NONE
+    for spec in specs:
+        passes |= spec.passes
+    assert passes.top == 20  # the step's pass serves the row that asks most
+    drawn = sample_rows(logits, SamplingRows.of(specs), torch.zeros(6, dtype=torch.long), passes)
+    assert drawn.top_ids.shape == (6, 20) and drawn.top_logprobs.shape == (6, 20)
+    for i, p in enumerate(params):
+        # independent reference: the log-softmax a trainer's forward computes at the row's temperature
+        reference = torch.log_softmax(logits[i].double() / (p.temperature or 1.0), dim=-1)
+        expected = reference.topk(20)
+        assert drawn.top_ids[i].tolist() == expected.indices.tolist()
+        assert torch.allclose(drawn.top_logprobs[i].double(), expected.values, atol=1e-5)
+        token = int(drawn.tokens[i])
+        if token in drawn.top_ids[i].tolist():  # listed: bit-identical to the sampled token's logprob
+            assert drawn.top_logprobs[i, drawn.top_ids[i].tolist().index(token)] == drawn.logprobs[i]
+    assert int(drawn.tokens[2]) == drawn.top_ids[2, 0]  # a greedy row samples its top-1
+
+
+def test_a_step_where_no_row_asks_for_top_lists_skips_the_pass():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(4))
+    rows = SamplingRows.of([RowSpec(SamplingParams(), stream_key(9, i)) for i in range(4)])
+    drawn = sample_rows(logits, rows, torch.zeros(4, dtype=torch.long), NONE)
+    assert drawn.top_ids.shape == (4, 0) and drawn.top_logprobs.shape == (4, 0)
+    assert RowSpec(SamplingParams()).passes.top == 0 and RowSpec(SamplingParams(top_logprobs=7)).passes.top == 7
+
+
+@pytest.mark.parametrize("bad", [-1, 21, 2.0, True])
+def test_top_logprobs_outside_0_to_20_is_refused_naming_the_field(bad):
+    with pytest.raises(ValueError, match="top_logprobs"):
+        SamplingParams(top_logprobs=bad)

@@ -156,6 +156,54 @@ def test_streamed_chunks_add_up_to_the_same_completion(served):
     assert usage.completion_tokens == whole.usage.completion_tokens
 
 
+def assert_alternatives_exact(model, prompt, ids, alternatives, k, temperature):
+    """Each position's alternatives ("token_id:<id>", logprob) are the k most likely tokens of a teacher-forced
+    log_softmax(logits / T), most likely first, each with its own logprob there. The bound is the engine's forward
+    against a plain one on this taught model (larger logits than the untaught one): the sampled tokens' own logprobs
+    of the request below are up to 1.2e-5 off at T = 0.8, its alternatives up to 1.7e-5; the untaught model's lists
+    meet 1e-5 (tests/test_worker.py). That they come from the sampled token's own log-softmax is checked bit for bit
+    by the caller."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1: -1].float()
+    reference = torch.log_softmax(logits / temperature, dim=-1)
+    assert len(alternatives) == len(ids) and all(len(a) == k for a in alternatives)
+    listed = torch.tensor([[int(name.removeprefix("token_id:")) for name, _ in a] for a in alternatives])
+    values = torch.tensor([[v for _, v in a] for a in alternatives])
+    assert float((values - reference.topk(k, dim=-1).values).abs().max()) <= 3e-5  # the k largest, in order
+    assert float((values - reference.gather(1, listed)).abs().max()) <= 3e-5  # each id's own logprob
+
+
+def test_top_logprobs_are_the_exact_alternatives_whole_streamed_and_in_completions(served, tok):
+    worker, _, client = served
+    asked = dict(max_tokens=8, seed=4, temperature=0.8, logprobs=True, top_logprobs=5,
+                 extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    whole = chat(client, n=2, **asked)
+    prompt = whole.model_extra["prompt_token_ids"]
+    for c in whole.choices:
+        ids = c.model_extra["token_ids"]
+        assert [t.token for t in c.logprobs.content] == [f"token_id:{i}" for i in ids]
+        alternatives = [[(a.token, a.logprob) for a in t.top_logprobs] for t in c.logprobs.content]
+        assert_alternatives_exact(worker.model, prompt, ids, alternatives, 5, 0.8)
+        for t in c.logprobs.content:  # the sampled token, where listed, has the very same value
+            assert all(a.logprob == t.logprob for a in t.top_logprobs if a.token == t.token)
+    stream = chat(client, n=2, stream=True, **asked)
+    streamed = {0: [], 1: []}
+    for chunk in stream:
+        for c in chunk.choices:
+            streamed[c.index] += [[(a.token, a.logprob) for a in t.top_logprobs]
+                                  for t in (c.logprobs.content if c.logprobs else [])]
+    for c in whole.choices:
+        assert streamed[c.index] == [[(a.token, a.logprob) for a in t.top_logprobs] for t in c.logprobs.content]
+    done = client.completions.create(model="tiny", prompt="the cat", max_tokens=6, logprobs=3, seed=2,
+                                     extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    c = done.choices[0]
+    assert_alternatives_exact(worker.model, c.model_extra["prompt_token_ids"], c.model_extra["token_ids"],
+                              [list(d.items()) for d in c.logprobs.top_logprobs], 3, 1.0)
+    assert c.logprobs.text_offset == [len(tok.decode(c.model_extra["token_ids"][:i])) for i in range(6)]
+    plain = chat(client, max_tokens=3, logprobs=True)  # text names; no alternatives unless asked
+    assert all(t.top_logprobs == [] and not t.token.startswith("token_id:") for t in plain.choices[0].logprobs.content)
+
+
 # ---------------------------------------------------------------------------------------------- tools
 def test_tool_calls_are_parsed_by_the_tokenizers_own_parser(served, tok):
     _, _, client = served
@@ -243,7 +291,8 @@ def test_bad_requests_are_openai_errors_and_submit_nothing(served):
     cases = [
         (dict(temperature=-1), 400, "temperature"),
         (dict(presence_penalty=0.3), 400, "presence_penalty"),
-        (dict(logprobs=True, top_logprobs=2), 400, "top_logprobs"),
+        (dict(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+        (dict(top_logprobs=2), 400, "top_logprobs"),  # without logprobs=true
         (dict(n=0), 400, "n"),
         (dict(max_tokens=5000), 400, "max_tokens"),
         (dict(messages=[{"role": "user", "content": "word " * 2000}]), 400, "messages"),

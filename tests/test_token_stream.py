@@ -21,7 +21,7 @@ def collect():
     seen: dict[tuple[int, int], list] = {}
     lock = threading.Lock()
 
-    def on_tokens(prompt_index, sample_index, ids, logprobs, versions):
+    def on_tokens(prompt_index, sample_index, ids, logprobs, versions, top):
         with lock:
             seen.setdefault((prompt_index, sample_index), []).append((list(ids), list(logprobs), list(versions)))
 

@@ -100,7 +100,7 @@ from transformers.generation.continuous_batching.utils import attn_mask_is_neede
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
 from rollout.engine import plan as plan_mod
 from rollout.engine.attention import NAME
-from rollout.engine.runner import RolloutModelRunner
+from rollout.engine.runner import OUTPUT_ROWS, RolloutModelRunner
 from rollout.engine.scheduler import RolloutScheduler
 
 # the private names above, as the completeness check finds them in rollout/engine/
@@ -233,8 +233,8 @@ def test_output_ids_hold_tokens_in_row_0_and_fp32_logprobs_as_int32_in_row_1(wor
         io = manager.batch_processor.inputs_and_outputs
         assert isinstance(io, ContinuousBatchingIOs)
         # rows 0 and 1 are upstream's (return_logprobs=True); runner.RolloutIOs adds row 2, the sampling logprobs,
-        # read back in the same copy
-        assert io.output_ids.dtype == torch.int32 and io.output_ids.shape[0] == 3
+        # and the top-list rows after it, read back in the same copy
+        assert io.output_ids.dtype == torch.int32 and io.output_ids.shape[0] == OUTPUT_ROWS
         count, io.num_request_in_batch = io.num_request_in_batch, 3
         tokens, logprobs = torch.tensor([7, 9, 11]), torch.tensor([-0.5, -1.25, -3.0e-8])
         try:

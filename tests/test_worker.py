@@ -58,6 +58,42 @@ def test_logprobs_match_plain_forward_for_mixed_sampling_in_one_batch(shared):
     assert torch.equal(batch.sampling_logprobs[plain], batch.logprobs[plain])
 
 
+def assert_top_lists_exact(worker: RolloutWorker, batch: RolloutBatch, params: list[SamplingParams]) -> None:
+    """Every row's top lists against a plain forward: its k listed logprobs are the k largest of log_softmax(logits
+    / T) at each position (to TOL), each listed id's own logprob there is the listed value, and the rest is -1/-inf."""
+    for r, completion in enumerate(batch.completion_token_lists()):
+        p = params[int(batch.prompt_index[r])]
+        ids = torch.tensor([batch.prompt_ids[r] + completion])
+        with torch.no_grad():
+            logits = worker.model(ids).logits[0, len(batch.prompt_ids[r]) - 1: -1].float()
+        reference = torch.log_softmax(logits / (p.temperature or 1.0), dim=-1)
+        k, n = p.top_logprobs, len(completion)
+        listed_ids, listed = batch.top_ids[r, :n, :k], batch.top_logprobs[r, :n, :k]
+        assert torch.allclose(listed, reference.topk(k, dim=-1).values, atol=TOL, rtol=0), (r, p)
+        assert torch.allclose(reference.gather(1, listed_ids), listed, atol=TOL, rtol=0), (r, p)
+        assert (batch.top_ids[r, :, k:] == -1).all() and (batch.top_ids[r, n:] == -1).all()
+        assert torch.isneginf(batch.top_logprobs[r, :, k:]).all()
+
+
+def test_top_logprobs_are_the_exact_k_most_likely_tokens_per_position_and_survive_rows_round_trip(shared):
+    params = [SamplingParams(n=2, temperature=0.7, max_new_tokens=12, top_logprobs=5),
+              SamplingParams(n=1, temperature=0.0, max_new_tokens=9, top_logprobs=20),
+              SamplingParams(n=2, temperature=1.3, top_k=5, max_new_tokens=12),
+              SamplingParams(n=1, temperature=1.0, max_new_tokens=1, top_logprobs=1)]
+    batch = shared.generate(prompts_of([5, 17, 33, 1]), sampling=params)
+    assert batch.top_ids.shape == (6, 12, 20) and batch.top_logprobs.shape == (6, 12, 20)
+    assert_exact(shared, batch, params)
+    assert_top_lists_exact(shared, batch, params)
+    greedy = batch.prompt_index == 1
+    assert torch.equal(batch.top_ids[greedy][:, :9, 0], batch.completion_ids[greedy][:, :9])  # greedy: its top-1
+    listed = batch.top_ids == batch.completion_ids[:, :, None]  # the sampled token's entry, where listed, is its
+    where = listed.nonzero(as_tuple=True)  # logprob, bit for bit (one log_softmax serves both)
+    assert where[0].numel() > 0 and torch.equal(batch.top_logprobs[where], batch.logprobs[where[0], where[1]])
+    again = RolloutBatch.from_rows(batch.rows(), pad_token_id=0)  # what a fleet does with an actor's rows
+    assert torch.equal(again.top_ids, batch.top_ids) and torch.equal(again.top_logprobs, batch.top_logprobs)
+    assert shared.generate(prompts_of([4]), sampling=SamplingParams(max_new_tokens=3)).top_ids is None
+
+
 def test_greedy_rows_are_argmax_with_zero_sampling_logprob(shared):
     prompt = prompts_of([9])[0]
     batch = shared.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))

@@ -60,9 +60,9 @@ class Call:
     when that completes the prompt's group, its index joins `completed` (finishing order) and `changed` is notified,
     so a reader waits on `changed` instead of polling. `discarded_tokens` counts the tokens a cancel threw away.
 
-    `on_tokens(sample, token_ids, logprobs, token_versions)`, when set, streams the call: it is called on the engine
-    thread after every step that samples a token for one of its samples, with everything that sample's request has
-    generated so far (a re-run request, after an engine restart or an "abort" update, starts again from its first
+    `on_tokens(sample, token_ids, logprobs, token_versions, top)`, when set, streams the call: it is called on the
+    engine thread after every step that samples a token for one of its samples, with everything that sample's request
+    has generated so far (`top`: per token its (ids, logprobs) top list when its params ask top_logprobs, else None) (a re-run request, after an engine restart or an "abort" update, starts again from its first
     token). It must return quickly (hand the lists to another thread); the row delivered at the end is the same."""
 
     samples: list[Sample] = field(default_factory=list)
@@ -70,7 +70,7 @@ class Call:
     cancelled: bool = False
     index: int | None = None  # the call's order on its engine: keys the random streams of its unseeded samples
     on_over: Callable[["Call"], None] | None = None
-    on_tokens: Callable[[Sample, list[int], list[float], list[int]], None] | None = None
+    on_tokens: Callable[[Sample, list[int], list[float], list[int], list | None], None] | None = None
     settled: threading.Event = field(default_factory=threading.Event)
     completed: list[int] = field(default_factory=list)  # prompt indices whose every sample has its row, in order
     changed: threading.Condition = field(default_factory=threading.Condition)

@@ -40,13 +40,13 @@ from .blocktable import RolloutCache  # also keeps upstream's decode fast path o
 from . import switch
 from .call import Call, Sample
 from .counters import Counters, kv_pages
-from .ledger import Ledger
+from .ledger import Entry, Ledger, split_tops
 from . import cuda, linear, sizing
 from .manager import RolloutManager
 from .preemption import RolloutOffloading
 from .recorder import RoutingHole, RoutingRecorder
 from .router import RolloutRouter
-from .runner import RolloutIOs, RolloutModelRunner, RowSlotArgs
+from .runner import RolloutIOs, RolloutModelRunner, RowSlotArgs, TopReader
 from .sampler import RowSpec
 from .slots import SlotTable
 from .streams import stream_key
@@ -248,9 +248,9 @@ class Engine:
         return RowSpec(sample.params, stream_key(UNSEEDED, self.config.seed, sample.call.index, sample.prompt_index,
                                                  sample.sample_index))
 
-    def _record(self, request_ids: list[str], values: list[float]) -> None:
+    def _record(self, request_ids: list[str], values: list[float], top: TopReader) -> None:
         # the version changes only inside a pause of the loop, so it is the one whose weights ran this step
-        self._ledger.record(request_ids, values, self.version)
+        self._ledger.record(request_ids, values, self.version, top)
         self.counters.sampled(len(request_ids))
         trace = self.trace
         if trace is not None:
@@ -266,7 +266,7 @@ class Engine:
             return
         with self._cond:
             sample = self._pending.pop(output.request_id, None)
-            sampling, versions = self._ledger.pop(output.request_id)
+            entry = self._ledger.pop(output.request_id)
             if sample is None:  # cancelled by an abort fence, or already re-run
                 if self._recorder is not None:
                     self._recorder.drop(output.request_id)
@@ -274,9 +274,9 @@ class Engine:
             routing, error = self._take_routing(sample, output)
             if output.status == RequestStatus.FINISHED and output.error is None and error is None:
                 if sample.episode is None:
-                    sample.call.finish(sample, self._make_row(sample, output, sampling, versions, routing))
+                    sample.call.finish(sample, self._make_row(sample, output, entry, routing))
                 else:
-                    self._step(sample, output, sampling, versions, routing)
+                    self._step(sample, output, entry, routing)
             else:
                 sample.error = output.error or error or f"request ended with status {output.status!r}"
                 self._rerun.append(sample)
@@ -290,9 +290,11 @@ class Engine:
             if sample is None or sample.call.on_tokens is None:
                 return sample is None  # a cancelled request's last progress is dropped
             versions = list(self._ledger.versions.get(output.request_id, ()))
+            tops = list(self._ledger.tops.get(output.request_id, ())) if sample.params.top_logprobs else None
         tokens, logprobs = output.generated_tokens, output.logprobs
-        count = min(len(tokens), len(logprobs), len(versions))
-        sample.call.on_tokens(sample, tokens[:count], logprobs[:count], versions[:count])
+        count = min(len(tokens), len(logprobs), len(versions), len(versions) if tops is None else len(tops))
+        sample.call.on_tokens(sample, tokens[:count], logprobs[:count], versions[:count],
+                              None if tops is None else tops[:count])
         return True
 
     def _take_routing(self, sample: Sample, output: GenerationOutput) -> tuple[Routing | None, str | None]:
@@ -311,16 +313,18 @@ class Engine:
         first = self._routers[0]
         return Routing(tuple(r.name for r in self._routers), first.num_experts, first.top_k, (experts,)), None
 
-    def _make_row(self, sample: Sample, output: GenerationOutput, sampling: list[float], versions: list[int],
-                  routing: Routing | None = None) -> Row:
+    def _make_row(self, sample: Sample, output: GenerationOutput, entry: Entry, routing: Routing | None = None
+                  ) -> Row:
         tokens = list(output.generated_tokens)
-        _check_logprobs(tokens, output.logprobs, sampling, versions)
+        _check_logprobs(tokens, output.logprobs, entry)
         finish = "stop" if tokens and tokens[-1] in sample.stop_ids else "length"
-        versions = versions[: len(tokens)]
+        versions = entry.versions[: len(tokens)]
         self.counters.row(finish, versions, self.version)
+        top_ids, top_logprobs = split_tops(entry.tops, len(tokens))
         return Row(sample.prompt_index, sample.sample_index, sample.prompt_ids, tokens, list(output.logprobs),
-                   sampling[: len(tokens)], finish, min(versions), prompt_tokens=sample.prompt_tokens,
-                   reused_tokens=sample.reused_tokens, token_versions=versions, routing=routing)
+                   entry.sampling[: len(tokens)], finish, min(versions), prompt_tokens=sample.prompt_tokens,
+                   reused_tokens=sample.reused_tokens, token_versions=versions, routing=routing,
+                   top_ids=top_ids, top_logprobs=top_logprobs)
 
     def _on_prefix_hit(self, request_id: str, num_tokens: int) -> None:
         with self._cond:
@@ -344,14 +348,15 @@ class Engine:
                 sample.prompt_tokens += num_tokens
 
     # ------------------------------------------------------------------ episodes
-    def _step(self, sample: Sample, output: GenerationOutput, sampling: list[float], versions: list[int],
-              routing: Routing | None = None) -> None:
+    def _step(self, sample: Sample, output: GenerationOutput, entry: Entry, routing: Routing | None = None) -> None:
         """A model turn of an episode finished (engine thread, lock held): record it and start its environment
         step off this thread."""
         tokens = list(output.generated_tokens)
-        _check_logprobs(tokens, output.logprobs, sampling, versions)
+        _check_logprobs(tokens, output.logprobs, entry)
         episode = sample.episode
-        episode.add_turn(tokens, list(output.logprobs), sampling[: len(tokens)], versions[: len(tokens)])
+        count = len(tokens)
+        episode.add_turn(tokens, list(output.logprobs), entry.sampling[:count], entry.versions[:count],
+                         None if entry.tops is None else entry.tops[:count])
         episode.segment.routing = routing  # the last turn's request fed every position of its segment so far
         self._stepping.add(sample)
         epoch = episode.epoch
@@ -621,7 +626,9 @@ class Engine:
             self._recorder.forget()
 
 
-def _check_logprobs(tokens: list[int], logprobs: list[float], sampling: list[float], versions: list[int]) -> None:
-    if len(logprobs) != len(tokens) or len(sampling) < len(tokens) or len(versions) < len(tokens):
-        raise RuntimeError(f"rollout: {len(tokens)} tokens but {len(logprobs)}/{len(sampling)} logprobs, "
-                           f"{len(versions)} versions")
+def _check_logprobs(tokens: list[int], logprobs: list[float], entry: Entry) -> None:
+    tops = len(tokens) if entry.tops is None else len(entry.tops)
+    if len(logprobs) != len(tokens) or min(len(entry.sampling), len(entry.versions), tops) < len(tokens):
+        raise RuntimeError(f"rollout: {len(tokens)} tokens but {len(logprobs)}/{len(entry.sampling)} logprobs, "
+                           f"{len(entry.versions)} versions, {tops} top lists")
+

@@ -20,6 +20,9 @@ from typing import Any
 
 from ..batch import Row
 from ..env import EnvFactory, Turn
+from .ledger import Top, split_tops
+
+NO_TOP: Top = ([], [])  # an observation token's top list (or a model token's that asked for none)
 
 
 @dataclass
@@ -35,9 +38,14 @@ class Segment:
     token_versions: list[int] = field(default_factory=list)  # -1 on observation tokens
     turn_rewards: list[float] = field(default_factory=list)  # a turn's reward on its last model token, 0.0 elsewhere
     routing: Any = None  # its last model turn's recorded routing (rollout.moe.Routing), when recording
+    tops: list[Top] | None = None  # per token, once a model turn asked for top_logprobs
 
     def add(self, tokens: list[int], logprobs: list[float], sampling: list[float], versions: list[int],
-            model: bool) -> None:
+            model: bool, tops: list[Top] | None = None) -> None:
+        if tops is not None and self.tops is None:
+            self.tops = [NO_TOP] * len(self.tokens)
+        if self.tops is not None:
+            self.tops += tops if tops is not None else [NO_TOP] * len(tokens)
         self.tokens += tokens
         self.logprobs += logprobs
         self.sampling_logprobs += sampling
@@ -87,8 +95,9 @@ class Episode:
         """New tokens the next model turn may generate: its own budget, within what is left of the segment's."""
         return min(max_new_tokens, self.segment.budget - len(self.segment.tokens))
 
-    def add_turn(self, tokens: list[int], logprobs: list[float], sampling: list[float], versions: list[int]) -> None:
-        self.segment.add(tokens, logprobs, sampling, versions, model=True)
+    def add_turn(self, tokens: list[int], logprobs: list[float], sampling: list[float], versions: list[int],
+                 tops: list[Top] | None = None) -> None:
+        self.segment.add(tokens, logprobs, sampling, versions, model=True, tops=tops)
         self.num_turns += 1
         self.last_turn = list(tokens)
 
@@ -129,11 +138,13 @@ class Episode:
         for index, seg in enumerate(self.segments):
             version = min((v for v in seg.token_versions if v >= 0), default=0)
             counts = dict(prompt_tokens=prompt_tokens, reused_tokens=reused_tokens) if index == 0 else {}
+            top_ids, top_logprobs = split_tops(seg.tops, len(seg.tokens))
             rows.append(Row(prompt_index, sample_index, list(seg.prompt), list(seg.tokens), list(seg.logprobs),
                             list(seg.sampling_logprobs), self.finish_reason, version,
                             action_mask=list(seg.action_mask), reward=self.reward, num_turns=self.num_turns,
                             error=self.error, token_versions=list(seg.token_versions), segment_index=index,
-                            turn_rewards=list(seg.turn_rewards), routing=seg.routing, **counts))
+                            turn_rewards=list(seg.turn_rewards), routing=seg.routing, top_ids=top_ids,
+                            top_logprobs=top_logprobs, **counts))
         return rows
 
     def reset(self) -> None:

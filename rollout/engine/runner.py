@@ -7,10 +7,12 @@ the engine survives on its own) and both logprobs come from the one pass:
   written there, and travels to the device with the other inputs.
 - `RolloutModelRunner._forward_process_and_sample`: the forward, then `sampler.sample_rows` on the rows' parameters
   (gathered from the table by slot) and random counters (their positions); it writes the token, its full-vocabulary
-  logprob and its sampling logprob into three rows of the step's output tensor. Device work only, nothing read back:
+  logprob and its sampling logprob into three rows of the step's output tensor, and, on a step where some row asks
+  for top logprobs, the top ids and logprobs into the rows after them (`TOP_IDS`, `TOP_VALUES`). Device work only, nothing read back:
   the step can run ahead of the host (async batching) and be captured (CUDA graphs).
-- `RolloutIOs`: the output tensor gets its third row; where the engine reads tokens and logprobs back after the step
-  (`prepare_batch_update`), the sampling logprobs come back with them, in the same read, to `record`.
+- `RolloutIOs`: the output tensor gets those rows; where the engine reads tokens and logprobs back after the step
+  (`prepare_batch_update`), the sampling logprobs come back with them, in the same read, to `record`, with a reader
+  of each recorded row's top lists (`TopReader`: only rows that asked are read).
 
 Pinned by tests/test_upstream_contract.py (the hooked signatures, the output and bulk-input layouts).
 """
@@ -27,10 +29,15 @@ from transformers.generation.continuous_batching.requests import RequestStatus
 from transformers.generation.continuous_batching.utils import CudaGraphBuffer
 from transformers.generation.logits_process import LogitsProcessorList
 
+from ..params import MAX_TOP_LOGPROBS
 from .sampler import ALL, sample_rows
 from .slots import SlotTable
 
-OUTPUT_ROWS = 3  # output_ids: tokens, logprobs (fp32 bits), sampling logprobs (fp32 bits)
+# output_ids: tokens, logprobs (fp32 bits), sampling logprobs (fp32 bits), then MAX_TOP_LOGPROBS rows of top ids and
+# as many of their logprobs (fp32 bits), most likely first (written only on steps where some row asks for them)
+TOP_IDS = 3
+TOP_VALUES = TOP_IDS + MAX_TOP_LOGPROBS
+OUTPUT_ROWS = TOP_VALUES + MAX_TOP_LOGPROBS
 # states whose token the engine drops at update (async batching: finished or preempted after the step was scheduled)
 DROPPED = (RequestStatus.FINISHED, RequestStatus.PENDING)
 
@@ -77,11 +84,14 @@ class RolloutModelRunner(ModelRunner):
         args = self.logit_processor
         rows = args.table.rows(batch_data["logits_processor_args"][0, : logits.shape[0]])
         positions = batch_data["position_ids"][0].index_select(0, indices.long()).long()  # of each row's last token
-        tokens, logprobs, sampling = sample_rows(logits, rows, positions, args.passes)
-        count = tokens.size(0)
-        output_ids[0, :count].copy_(tokens)
-        output_ids[1, :count].copy_(logprobs.view(dtype=torch.int32))
-        output_ids[2, :count].copy_(sampling.view(dtype=torch.int32))
+        drawn = sample_rows(logits, rows, positions, args.passes)
+        count, top = drawn.tokens.size(0), drawn.top_ids.size(1)
+        output_ids[0, :count].copy_(drawn.tokens)
+        output_ids[1, :count].copy_(drawn.logprobs.view(dtype=torch.int32))
+        output_ids[2, :count].copy_(drawn.sampling_logprobs.view(dtype=torch.int32))
+        if top:
+            output_ids[TOP_IDS:TOP_IDS + top, :count].copy_(drawn.top_ids.T)
+            output_ids[TOP_VALUES:TOP_VALUES + top, :count].copy_(drawn.top_logprobs.T.contiguous().view(torch.int32))
 
     def drop_graphs(self) -> None:
         """Forget captured CUDA graphs (they read tensors that were just replaced); they are captured again."""
@@ -89,13 +99,30 @@ class RolloutModelRunner(ModelRunner):
             io.graphs = CudaGraphBuffer()
 
 
-class RolloutIOs(ContinuousBatchingIOs):
-    """Step inputs and outputs with a third output row, read back with the other two."""
+class TopReader:
+    """The top lists of a step's recorded rows, read from its outputs on demand (the step's read-back, host side)."""
 
-    record: Callable[[list[str], list[float]], None]
+    def __init__(self, outputs: torch.Tensor, columns: list[int]) -> None:
+        self.outputs, self.columns = outputs, columns
+
+    def __call__(self, row: int, k: int) -> tuple[list[int], list[float]]:
+        """The k most likely (ids, logprobs) at the `row`-th recorded request's sampled position."""
+        column = self.columns[row]
+        ids = self.outputs[TOP_IDS:TOP_IDS + k, column]
+        values = self.outputs[TOP_VALUES:TOP_VALUES + k, column].contiguous().view(dtype=torch.float32)
+        return ids.tolist(), values.tolist()
+
+
+Record = Callable[[list[str], list[float], TopReader], None]
+
+
+class RolloutIOs(ContinuousBatchingIOs):
+    """Step inputs and outputs with the sampling-logprob and top-list rows, read back with upstream's two."""
+
+    record: Record
 
     @classmethod
-    def adopt(cls, ios, record: Callable[[list[str], list[float]], None]) -> None:
+    def adopt(cls, ios, record: Record) -> None:
         """Every ContinuousBatchingIOs of a batch processor: its one, or the host and device halves of both async
         pairs. Before any step: no captured graph holds the old output tensor."""
         for io in _all_ios(ios, hosts=True):
@@ -109,14 +136,15 @@ class RolloutIOs(ContinuousBatchingIOs):
         count = self.num_request_in_batch
         outputs = self.output_ids[:, :count].cpu()  # the step's one read-back (a no-op copy on CPU)
         sampling = outputs[2].view(dtype=torch.float32).tolist()
-        ids, values, row = [], [], 0
+        ids, values, columns, row = [], [], [], 0
         for future in self.requests_in_batch:  # sampling rows are the new-token requests, in order
             if future.has_new_token:
                 if future.state.status not in DROPPED:
                     ids.append(future.state.request_id)
                     values.append(sampling[row])
+                    columns.append(row)
                 row += 1
-        self.record(ids, values)
+        self.record(ids, values, TopReader(outputs, columns))
         return self.requests_in_batch, outputs[0].tolist(), outputs[1].view(dtype=torch.float32).tolist()
 
 

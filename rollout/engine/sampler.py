@@ -6,6 +6,9 @@ return two logprobs of it:
   forward recomputes;
 - `sampling_logprob`: under the distribution actually sampled from (temperature, then top-k, then top-p on the
   renormalised top-k distribution; greedy rows are a point mass, so 0.0).
+When some row asks for `top_logprobs` (OpenAI's alternatives), every row also gets the `Passes.top` most likely tokens
+and their logprobs, read off the same full-vocabulary log_softmax (so the sampled token's entry, when listed, is
+bit-identical to its `logprob`); the host keeps each row's own k of them.
 Rows differ by data, never by control flow: every row is scaled, drawn from and argmax-ed, and `torch.where` keeps
 what its parameters ask for. Which full-vocabulary passes a step pays for is the caller's static choice (`Passes`,
 from the step's parameters on the host: a step with no truncating row skips the sort, one at temperature 1 the
@@ -18,10 +21,11 @@ generator state, nothing shaped by the data: the path can be captured in a CUDA 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from ..params import SamplingParams
+from ..params import MAX_TOP_LOGPROBS, SamplingParams
 from .streams import uniforms
 
 
@@ -37,7 +41,7 @@ class RowSpec:
         """The optional passes this row needs."""
         p = self.params
         return Passes(scale=not p.is_greedy and p.temperature != 1, argmax=p.is_greedy,
-                      truncate=not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0))
+                      truncate=not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0), top=p.top_logprobs)
 
 
 @dataclass(frozen=True)
@@ -68,13 +72,25 @@ class Passes:
     scale: bool = True  # a row with a temperature other than 1
     truncate: bool = True  # a row with top-k or top-p
     argmax: bool = True  # a greedy row
-
+    top: int = MAX_TOP_LOGPROBS  # the most top logprobs a row asks for (0: no top-k pass)
 
     def __or__(self, other: "Passes") -> "Passes":
-        return Passes(self.scale or other.scale, self.truncate or other.truncate, self.argmax or other.argmax)
+        return Passes(self.scale or other.scale, self.truncate or other.truncate, self.argmax or other.argmax,
+                      max(self.top, other.top))
 
 
-ALL, NONE = Passes(), Passes(scale=False, truncate=False, argmax=False)
+ALL, NONE = Passes(), Passes(scale=False, truncate=False, argmax=False, top=0)
+
+
+class Drawn(NamedTuple):
+    """What `sample_rows` returns, per row: the token, its two logprobs, and the `passes.top` most likely tokens with
+    their full-vocabulary logprobs, most likely first ((N, top) each; (N, 0) when the pass is skipped)."""
+
+    tokens: torch.Tensor  # (N,) int64
+    logprobs: torch.Tensor  # (N,) float32
+    sampling_logprobs: torch.Tensor  # (N,) float32
+    top_ids: torch.Tensor  # (N, top) int64
+    top_logprobs: torch.Tensor  # (N, top) float32
 
 
 def truncation_mask(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -93,14 +109,14 @@ def truncation_mask(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: tor
     return removed
 
 
-def sample_rows(logits: torch.Tensor, rows: SamplingRows, positions: torch.Tensor, passes: Passes = ALL
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sample_rows(logits: torch.Tensor, rows: SamplingRows, positions: torch.Tensor, passes: Passes = ALL) -> Drawn:
     """Sample one token per row. logits: (N, V) fp32, not modified; positions: (N,) int64, the position each row
-    samples at (its random counter). Returns (tokens (N,) int64, logprobs (N,) fp32, sampling logprobs (N,) fp32).
+    samples at (its random counter). Returns the tokens, their two logprobs and the top lists (`Drawn`).
 
     `passes` may leave out a pass no row needs (see Passes); leaving out one a row needs samples that row wrongly."""
     scaled = logits / rows.temperature[:, None] if passes.scale else logits
     full_logprobs = torch.log_softmax(scaled, dim=-1)  # (N, V)
+    top = _top(full_logprobs, passes.top)
     greedy_tokens = scaled.argmax(dim=-1) if passes.argmax else None
     u = uniforms(rows.key, positions)
     # (N, V) buffers of ours are reused once read for the last time: on CPU each fresh one is page-faulted in again
@@ -120,7 +136,18 @@ def sample_rows(logits: torch.Tensor, rows: SamplingRows, positions: torch.Tenso
     sampling = logprobs
     if drawn_logprob is not None:  # a row that truncates nothing reports the full logprob itself (bit-identical)
         sampling = torch.where((rows.top_k == 0) & (rows.top_p >= 1.0), logprobs, drawn_logprob)
-    return tokens, logprobs, sampling.masked_fill(rows.greedy, 0.0)  # greedy rows: a point mass
+    sampling = sampling.masked_fill(rows.greedy, 0.0)  # greedy rows: a point mass
+    return Drawn(tokens, logprobs, sampling, top[1], top[0])
+
+
+def _top(full_logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens of each row and their logprobs, most likely first (equal logprobs in no set order)."""
+    if k == 0:
+        num_rows = full_logprobs.shape[0]
+        return (torch.empty((num_rows, 0), dtype=full_logprobs.dtype, device=full_logprobs.device),
+                torch.empty((num_rows, 0), dtype=torch.int64, device=full_logprobs.device))
+    values, indices = torch.topk(full_logprobs, min(k, full_logprobs.shape[-1]), dim=-1)
+    return values, indices
 
 
 CHUNK = 128  # tokens per block of the two-level inverse CDF

@@ -27,7 +27,8 @@ from ..batch import RolloutBatch
 from ..loading import pad_token_id
 from ..params import SamplingParams
 
-Progress = tuple[int, int, list[int], list[float], list[int]]  # prompt index, sample index, ids, logprobs, versions
+# prompt index, sample index, ids, logprobs, versions, top lists (None unless asked): a streamed row so far
+Progress = tuple[int, int, list[int], list[float], list[int], list | None]
 
 
 class Generation:
@@ -62,12 +63,12 @@ class Generation:
 
     # --- called from other threads
     def push(self, prompt_index: int, sample_index: int, ids: list[int], logprobs: list[float],
-             versions: list[int]) -> None:
+             versions: list[int], top: list | None = None) -> None:
         if self.progress is None:
             return
         with self._latest_lock:
             wake = not self._latest
-            self._latest[prompt_index, sample_index] = (prompt_index, sample_index, ids, logprobs, versions)
+            self._latest[prompt_index, sample_index] = (prompt_index, sample_index, ids, logprobs, versions, top)
         if wake:
             self._on_loop(self._deliver)
 

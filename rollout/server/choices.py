@@ -15,19 +15,28 @@ from typing import Any
 
 from ..batch import Row
 
+Top = tuple[list[int], list[float]]  # one position's alternatives: token ids and their logprobs, most likely first
+
 
 class Diverged(Exception):
     """A streamed row came back with other tokens than those already sent (an "abort" weight update re-ran it)."""
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: Any, stops: tuple[str, ...] = ()) -> None:
-        self.tokenizer, self.stops = tokenizer, stops
+    """Text of tokens, stop strings, and how logprobs name a token (`name`: its text, or "token_id:<id>" when
+    `as_ids`, vLLM's `return_tokens_as_token_ids`)."""
+
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...] = (), as_ids: bool = False) -> None:
+        self.tokenizer, self.stops, self.as_ids = tokenizer, stops, as_ids
 
     def text(self, ids: list[int]) -> str:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def name(self, token: int) -> str:
+        """What logprobs call the token."""
+        return f"token_id:{token}" if self.as_ids else self.piece(token)
 
     def piece(self, token: int) -> str:
         if self.tokenizer is None:
@@ -72,6 +81,7 @@ class Choice:
     finish_reason: str  # "stop", "length" or "tool_calls"
     text: str
     message: dict | None = None  # chat: the assistant message (content, tool calls)
+    top: list[Top] | None = None  # per token, when the request asked for top logprobs
 
     @property
     def policy_version(self) -> int:
@@ -83,8 +93,9 @@ def choice_of(index: int, row: Row, detok: Detokenizer) -> Choice:
     kept, text, stopped = detok.cut(list(row.completion_ids))
     versions = list(row.token_versions) if row.token_versions is not None else [row.policy_version] * kept
     finish = "stop" if stopped or row.finish_reason == "stop" else "length"
+    top = None if row.top_ids is None else list(zip(row.top_ids[:kept], row.top_logprobs[:kept]))
     return Choice(index, list(row.prompt_ids), list(row.completion_ids[:kept]), list(row.logprobs[:kept]),
-                  list(row.sampling_logprobs[:kept]), versions[:kept], finish, text)
+                  list(row.sampling_logprobs[:kept]), versions[:kept], finish, text, top=top)
 
 
 @dataclass
@@ -93,6 +104,7 @@ class Delta:
     logprobs: list[float]
     token_versions: list[int]
     text: str
+    top: list[Top] | None = None
 
 
 @dataclass
@@ -105,7 +117,8 @@ class StreamedChoice:
     sent_text: str = ""
     stopped: bool = False  # a stop string ended it: later tokens are not sent
 
-    def advance(self, ids: list[int], logprobs: list[float], versions: list[int], final: bool = False) -> Delta | None:
+    def advance(self, ids: list[int], logprobs: list[float], versions: list[int], top: list[Top] | None = None,
+                final: bool = False) -> Delta | None:
         """The part of `ids` (the row so far) not sent yet, and the text that is safe to send; None if nothing."""
         if self.stopped:
             return None
@@ -118,7 +131,7 @@ class StreamedChoice:
         if kept <= start and len(text) <= len(self.sent_text):
             return None
         delta = Delta(list(ids[start:kept]), list(logprobs[start:kept]), list(versions[start:kept]),
-                      text[len(self.sent_text):])
+                      text[len(self.sent_text):], None if top is None else list(top[start:kept]))
         self.token_ids = list(ids[:kept])
         self.sent_text = max(self.sent_text, text, key=len)
         return delta

@@ -6,8 +6,10 @@ an unknown field is refused as OpenAI's API refuses it, and a sampling control t
 (`presence_penalty`, `logit_bias`, ...) is refused unless it holds its neutral value.
 
 Extensions (vLLM's names where vLLM has one): `prompt_token_ids` (token ids instead of messages or a prompt),
-`top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids` (false drops the token-id fields of the response) and
-`episode_id` (or the `X-Episode-Id` header: record the call under that episode).
+`top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids` (false drops the token-id fields of the response),
+`return_tokens_as_token_ids` (logprobs name each token, alternatives included, "token_id:<id>" instead of its text,
+which may be ambiguous: two byte tokens both decode to "\ufffd") and `episode_id` (or the `X-Episode-Id` header:
+record the call under that episode).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..params import MAX_TOP_LOGPROBS
 from .errors import bad_request
 
 # Sampling controls other servers take that this engine cannot apply per request: accepted only at these values.
@@ -25,11 +28,11 @@ NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_b
 # Fields that change nothing about the tokens: accepted and, as OpenAI's API does with them, not acted upon.
 INERT = ("user", "metadata", "service_tier")
 COMMON = {"model", "n", "temperature", "top_p", "max_tokens", "stop", "seed", "stream", "stream_options", "logprobs",
-          "prompt_token_ids", "top_k", "stop_token_ids", "ignore_eos", "return_token_ids", "episode_id",
+          "prompt_token_ids", "top_k", "stop_token_ids", "ignore_eos", "return_token_ids", "return_tokens_as_token_ids",
+          "episode_id",
           *NEUTRAL, *INERT}
 FIELDS = {"chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"},
           "completion": COMMON | {"prompt"}}
-MAX_TOP_LOGPROBS = 0  # the engine computes the sampled token's logprob only (see docs/serve.md, "Logprobs")
 TOOL_CHOICES = ("auto", "none")
 EPISODE_HEADER = "x-episode-id"
 
@@ -54,12 +57,14 @@ class Request:
     ignore_eos: bool
     seed: int | None
     logprobs: bool
+    top_logprobs: int  # alternatives per token (chat: top_logprobs; completions: the integer logprobs); 0: none
     stream: bool
     include_usage: bool
     tools: list[dict] | None
     tool_choice: str
     episode_id: str | None
     return_token_ids: bool
+    tokens_as_ids: bool  # return_tokens_as_token_ids
 
     @property
     def parses_tools(self) -> bool:
@@ -82,6 +87,7 @@ def parse(kind: str, body: Any, headers: dict[str, str] | None = None) -> Reques
         raise bad_request("model", "model is required: the name GET /v1/models lists")
     messages, prompts = _inputs(kind, body)
     stream = _bool(body, "stream", False)
+    logprobs, top_logprobs = _logprobs(kind, body)
     return Request(
         kind=kind, model=model, messages=messages, prompts=prompts, n=_int(body, "n", 1, 1),
         temperature=_number(body, "temperature", 1.0, 0.0, math.inf),
@@ -89,10 +95,11 @@ def parse(kind: str, body: Any, headers: dict[str, str] | None = None) -> Reques
         max_tokens=_max_tokens(kind, body),
         max_tokens_param="max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens",
         stop=_stop(body), stop_token_ids=_ids(body, "stop_token_ids"),
-        ignore_eos=_bool(body, "ignore_eos", False), seed=_int(body, "seed", None, 0), logprobs=_logprobs(kind, body),
-        stream=stream, include_usage=_include_usage(body, stream), tools=_tools(body),
+        ignore_eos=_bool(body, "ignore_eos", False), seed=_int(body, "seed", None, 0), logprobs=logprobs,
+        top_logprobs=top_logprobs, stream=stream, include_usage=_include_usage(body, stream), tools=_tools(body),
         tool_choice=_tool_choice(body), episode_id=_episode_id(body, headers or {}),
-        return_token_ids=_bool(body, "return_token_ids", True))
+        return_token_ids=_bool(body, "return_token_ids", True),
+        tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False))
 
 
 def _inputs(kind: str, body: dict) -> tuple[list[dict] | None, list[Any] | None]:
@@ -199,7 +206,8 @@ def _ids(body: dict, name: str) -> tuple[int, ...] | None:
     return tuple(value)
 
 
-def _logprobs(kind: str, body: dict) -> bool:
+def _logprobs(kind: str, body: dict) -> tuple[bool, int]:
+    """(whether logprobs are returned, how many alternatives per token)."""
     if kind == "chat":
         wanted = _bool(body, "logprobs", False)
         top = _int(body, "top_logprobs", None, 0)
@@ -211,11 +219,9 @@ def _logprobs(kind: str, body: dict) -> bool:
         wanted = top is not None
         name = "logprobs"
     if top is not None and top > MAX_TOP_LOGPROBS:
-        raise bad_request(name, f"{name}={top} is not supported: this server returns the exact logprob of each "
-                          "sampled token, not alternatives (the engine computes no top-k list). Fix: use "
-                          f"{name}={MAX_TOP_LOGPROBS}" + (" (or logprobs=true without top_logprobs)"
-                                                          if kind == "chat" else ""))
-    return wanted
+        raise bad_request(name, f"{name}={top} is more than this server returns: at most {MAX_TOP_LOGPROBS} "
+                          f"alternatives per token (OpenAI's limit). Fix: use {name} <= {MAX_TOP_LOGPROBS}")
+    return wanted, top or 0
 
 
 def _include_usage(body: dict, stream: bool) -> bool:

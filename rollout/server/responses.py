@@ -7,14 +7,15 @@ chunks, plus the extensions every choice carries (unless the request says `retur
     prompt_token_ids the prompt as the engine saw it (chat: top level, as vLLM; completions: in each choice)
 
 `logprobs` values are the engine's exact full-vocabulary log p(token) under log_softmax(logits / T) (T = 1 for
-greedy), the same numbers `RolloutBatch.logprobs` holds; `top_logprobs` lists are empty (protocol.MAX_TOP_LOGPROBS).
+greedy), the same numbers `RolloutBatch.logprobs` holds; `top_logprobs` lists (when asked) are the k most likely tokens
+of that same log-softmax at each position, read off the engine's own sampling step (`RolloutBatch.top_ids`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .choices import Choice, Delta, Detokenizer
+from .choices import Choice, Delta, Detokenizer, Top
 from .protocol import Request
 
 
@@ -24,21 +25,26 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def chat_logprobs(ids: list[int], logprobs: list[float], detok: Detokenizer) -> dict:
+def _entry(detok: Detokenizer, token: int, value: float) -> dict:
+    return {"token": detok.name(token), "logprob": value, "bytes": list(detok.piece(token).encode("utf-8"))}
+
+
+def chat_logprobs(ids: list[int], logprobs: list[float], detok: Detokenizer, top: list[Top] | None = None) -> dict:
     content = []
-    for token, value in zip(ids, logprobs):
-        piece = detok.piece(token)
-        content.append({"token": piece, "logprob": value, "bytes": list(piece.encode("utf-8")), "top_logprobs": []})
+    for i, (token, value) in enumerate(zip(ids, logprobs)):
+        alternatives = [] if top is None else [_entry(detok, t, v) for t, v in zip(*top[i])]
+        content.append({**_entry(detok, token, value), "top_logprobs": alternatives})
     return {"content": content}
 
 
-def completion_logprobs(ids: list[int], logprobs: list[float], detok: Detokenizer, offset: int = 0) -> dict:
-    pieces = [detok.piece(t) for t in ids]
+def completion_logprobs(ids: list[int], logprobs: list[float], detok: Detokenizer, offset: int = 0,
+                        top: list[Top] | None = None) -> dict:
     offsets, at = [], offset
-    for piece in pieces:
+    for token in ids:
         offsets.append(at)
-        at += len(piece)
-    return {"tokens": pieces, "token_logprobs": list(logprobs), "top_logprobs": None,
+        at += len(detok.piece(token))
+    alternatives = None if top is None else [{detok.name(t): v for t, v in zip(*item)} for item in top]
+    return {"tokens": [detok.name(t) for t in ids], "token_logprobs": list(logprobs), "top_logprobs": alternatives,
             "text_offset": offsets}
 
 
@@ -57,7 +63,7 @@ def chat_response(request: Request, rid: str, created: int, model: str, choices:
     for c in choices:
         out_choices.append({
             "index": c.index, "message": c.message, "finish_reason": c.finish_reason,
-            "logprobs": chat_logprobs(c.token_ids, c.logprobs, detok) if request.logprobs else None,
+            "logprobs": chat_logprobs(c.token_ids, c.logprobs, detok, c.top) if request.logprobs else None,
             **extensions(request, c.token_ids, c.token_versions)})
     body = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out_choices,
             "usage": usage(len(choices[0].prompt_ids), sum(len(c.token_ids) for c in choices), cached_tokens)}
@@ -71,7 +77,8 @@ def completion_response(request: Request, rid: str, created: int, model: str, ch
     out_choices = []
     for c in choices:
         item = {"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
-                "logprobs": completion_logprobs(c.token_ids, c.logprobs, detok) if request.logprobs else None,
+                "logprobs": completion_logprobs(c.token_ids, c.logprobs, detok, top=c.top) if request.logprobs
+                else None,
                 **extensions(request, c.token_ids, c.token_versions)}
         if request.return_token_ids:
             item["prompt_token_ids"] = c.prompt_ids
@@ -107,11 +114,12 @@ class Chunks:
         ext = extensions(req, delta.token_ids, delta.token_versions, final=False)
         if req.kind == "chat":
             body: dict[str, Any] = {"content": delta.text} if delta.text and not req.parses_tools else {}
-            lp = chat_logprobs(delta.token_ids, delta.logprobs, self.detok) if req.logprobs else None
+            lp = chat_logprobs(delta.token_ids, delta.logprobs, self.detok, delta.top) if req.logprobs else None
             return self._chunk([{"index": index, "delta": body, "logprobs": lp, "finish_reason": None, **ext}])
         offset = self.offsets.get(index, 0)
         self.offsets[index] = offset + len(delta.text)
-        lp = completion_logprobs(delta.token_ids, delta.logprobs, self.detok, offset) if req.logprobs else None
+        lp = completion_logprobs(delta.token_ids, delta.logprobs, self.detok, offset, delta.top) if req.logprobs \
+            else None
         first = {"prompt_token_ids": prompt_ids} if req.return_token_ids and offset == 0 and delta.token_ids else {}
         return self._chunk([{"index": index, "text": delta.text, "logprobs": lp, "finish_reason": None, **ext,
                              **first}])

@@ -73,7 +73,7 @@ class Service:
                 raise bad_request(self._prompt_field(request), f"token id {bad[0]} is outside the vocabulary "
                                   f"[0, {self.limits.vocab_size})")
         sampling = self._sampling(request, max(len(p) for p in prompts))
-        return Prepared(prompts, sampling, Detokenizer(self.tokenizer, request.stop))
+        return Prepared(prompts, sampling, Detokenizer(self.tokenizer, request.stop, request.tokens_as_ids))
 
     def _prompts(self, request: Request) -> list[list[int]]:
         if request.messages is not None:
@@ -114,7 +114,7 @@ class Service:
         try:
             return SamplingParams(n=request.n, temperature=request.temperature, top_k=request.top_k,
                                   top_p=request.top_p, max_new_tokens=max_tokens, seed=request.seed,
-                                  stop_token_ids=self._stop_ids(request))
+                                  stop_token_ids=self._stop_ids(request), top_logprobs=request.top_logprobs)
         except ValueError as error:
             raise from_value_error(error, API_NAMES) from None
 
@@ -166,14 +166,14 @@ class Service:
                 if chunk is not None:
                     yield chunk
             while (item := await generation.progress.get()) is not None:
-                p, s, ids, logprobs, versions = item
-                delta = states[p * n + s].advance(ids, logprobs, versions)
+                p, s, ids, logprobs, versions, top = item
+                delta = states[p * n + s].advance(ids, logprobs, versions, top)
                 if delta is not None:
                     yield chunks.delta(p * n + s, delta, prepared.prompts[p])
             batch = await _result(generation)
             choices = self._choices(request, prepared, batch)
             for c in choices:
-                delta = states[c.index].advance(c.token_ids, c.logprobs, c.token_versions, final=True)
+                delta = states[c.index].advance(c.token_ids, c.logprobs, c.token_versions, c.top, final=True)
                 if delta is not None:
                     yield chunks.delta(c.index, delta, c.prompt_ids)
                 yield chunks.finish(c)
