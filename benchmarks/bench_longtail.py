@@ -22,7 +22,8 @@ Methods, each run for a warm-up step and `--steps` measured steps:
 `accepted` = 60% of `--groups` (what sync keeps on average), so every method trains on batches of the same size.
 
 Reported per method over the measured steps: accepted groups/s, accepted (useful) tokens/s, generated tokens/s,
-over-generated tokens (generated and not returned: rejected groups, cancelled leftovers, stale rows), rows carried,
+rows sampled per engine step (how full a batch the method keeps: on this CPU a step of ~120 rows decodes ~1.5x the
+tokens/s of one of ~40), over-generated tokens (generated and not returned: rejected groups, cancelled leftovers, stale rows), rows carried,
 KV tokens the pushes had recomputed (carried rows: the price of their exactness, about a prefill token each),
 the per-token staleness histogram, and each method's ratio to sync. The last line is JSON.
 """
@@ -84,6 +85,29 @@ def model_tokens(batch) -> int:
     return int(batch.action_mask.sum())
 
 
+class StepMeter:
+    """Engine steps and the rows each sampled, through the engine's step trace hooks (what `TurnTrace` receives):
+    how full the batch a method keeps is."""
+
+    def __init__(self, worker) -> None:
+        self.worker, self.steps, self.rows = worker, 0, 0
+        worker.engine.trace = self
+
+    def step(self, start: float, end: float) -> None:
+        self.steps += 1
+
+    def sampled(self, request_ids: list[str], when: float) -> None:
+        self.rows += len(request_ids)
+
+    def ready(self, request_id: str, when: float) -> None:
+        pass
+
+    def close(self) -> float:
+        """Stop metering; the mean rows sampled per engine step."""
+        self.worker.engine.trace = None
+        return self.rows / max(self.steps, 1)
+
+
 def push(worker, state, enabled: bool) -> None:
     if enabled:
         worker.update_weights(state, in_flight="recompute")
@@ -94,7 +118,7 @@ def run_sync(worker, state, args, sampling, stream) -> dict:
     for step in range(args.steps + 1):
         if step == 1:
             start, totals = CLOCK.now(), {k: ({} if k == "stale" else 0) for k in totals}
-            recomputed = recompute_tokens(worker)
+            recomputed, meter = recompute_tokens(worker), StepMeter(worker)
         prompts = list(itertools.islice(stream, args.groups))
         batch = worker.generate(prompts, [sampling(p) for p in prompts])
         rewards = torch.cat([reward(batch_of(batch, g)) for g in range(args.groups)]).view(args.groups, N)
@@ -108,6 +132,7 @@ def run_sync(worker, state, args, sampling, stream) -> dict:
         push(worker, state, args.push)
     totals["seconds"] = CLOCK.now() - start
     totals["recomputed"] = recompute_tokens(worker) - recomputed
+    totals["rows_per_step"] = meter.close()
     return totals
 
 
@@ -122,7 +147,7 @@ def run_collector(worker, state, args, sampling, stream, partial: bool) -> dict:
         for step in range(args.steps + 1):
             if step == 1:
                 start, totals = CLOCK.now(), {k: ({} if k == "stale" else 0) for k in totals}
-                recomputed = recompute_tokens(worker)
+                recomputed, meter = recompute_tokens(worker), StepMeter(worker)
             batch = collector.next_batch(args.accepted)
             stats = batch.stats
             totals["groups"] += stats["accepted_groups"]
@@ -134,6 +159,7 @@ def run_collector(worker, state, args, sampling, stream, partial: bool) -> dict:
             add_hist(totals["stale"], stats["staleness_hist"])
             push(worker, state, args.push)
         totals["seconds"] = CLOCK.now() - start
+        totals["rows_per_step"] = meter.close()
     totals["recomputed"] = recompute_tokens(worker) - recomputed
     return totals
 
@@ -166,8 +192,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="measured steps per method (after one warm-up step)")
     parser.add_argument("--groups", type=int, default=16, help="prompts per synchronous step")
     parser.add_argument("--median", type=int, default=16, help="median completion length (budget: 8x)")
-    parser.add_argument("--over-sample", type=float, default=1.5, help="the collectors' over_sample")
-    parser.add_argument("--max-staleness", type=int, default=1, help="the collectors' max_staleness")
+    # 2 groups in flight per group wanted keep ~60 rows per engine step against ~40 at 1.5 (and the synchronous
+    # step's 39); a budget-length row needs ~3 steps, so max_staleness 2 lets it finish instead of being regenerated
+    parser.add_argument("--over-sample", type=float, default=2.0, help="the collectors' over_sample")
+    parser.add_argument("--max-staleness", type=int, default=2, help="the collectors' max_staleness")
     parser.add_argument("--no-push", dest="push", action="store_false", help="no weight push between steps")
     parser.add_argument("--methods", default="sync,collector,partial")
     parser.add_argument("--seed", type=int, default=0)
@@ -197,8 +225,8 @@ def main() -> None:
           f"{'recompute' if args.push else 'none'}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
           f"{CLOCK.paused:.0f}s paused by the machine's owner left out of the timings")
     base = results.get("sync")
-    print(f"{'method':<10}{'s':>7}{'groups/s':>10}{'acc tok/s':>11}{'gen tok/s':>11}{'over-gen':>10}{'carried':>9}"
-          f"{'aborted':>9}{'recomp':>8}{'x sync':>8}  staleness (tokens by versions behind)")
+    print(f"{'method':<10}{'s':>7}{'groups/s':>10}{'acc tok/s':>11}{'gen tok/s':>11}{'rows/step':>10}{'over-gen':>10}"
+          f"{'carried':>9}{'aborted':>9}{'recomp':>8}{'x sync':>8}  staleness (tokens by versions behind)")
     rows = {}
     for method, r in results.items():
         rate = r["tokens"] / r["seconds"]
@@ -206,10 +234,10 @@ def main() -> None:
         rows[method] = dict(seconds=r["seconds"], groups_per_s=r["groups"] / r["seconds"], accepted_tokens_per_s=rate,
                             generated_tokens_per_s=r["generated"] / r["seconds"], over_generated=r["over"],
                             carried_rows=r["carried"], aborted_rows=r["aborted"],
-                            recomputed_tokens=r["recomputed"], vs_sync=ratio,
+                            recomputed_tokens=r["recomputed"], rows_per_step=r["rows_per_step"], vs_sync=ratio,
                             staleness=dict(sorted(r["stale"].items())))
         print(f"{method:<10}{r['seconds']:>7.1f}{rows[method]['groups_per_s']:>10.3f}{rate:>11.1f}"
-              f"{rows[method]['generated_tokens_per_s']:>11.1f}{r['over']:>10d}{r['carried']:>9d}{r['aborted']:>9d}"
+              f"{rows[method]['generated_tokens_per_s']:>11.1f}{r['rows_per_step']:>10.1f}{r['over']:>10d}{r['carried']:>9d}{r['aborted']:>9d}"
               f"{r['recomputed']:>8d}{ratio:>7.2f}x  {rows[method]['staleness']}")
     print(f"# requests recomputed by the pushes (all steps): {recomputed}; plain prefill {prefill:.0f} tok/s, so the "
           "measured steps' recomputes cost about " + ", ".join(f"{m} {r['recomputed'] / prefill:.1f}s"

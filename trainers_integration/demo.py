@@ -257,11 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     return reward_verdict(rewards, args.min_gain)
 
 
-def reward_verdict(rewards: list[float], min_gain: float, note: str = "") -> int:
-    """Prints `reward: <first> -> <last>` (the first step; the mean of the last tenth of the run, at least 3 steps)
-    and returns the exit code: 1, with the shortfall on stderr, unless the reward rose by `min_gain`."""
+def reward_verdict(rewards: list[float], min_gain: float, note: str = "", head: int = 1) -> int:
+    """Prints `reward: <first> -> <last>` (the mean of the first `head` steps; the mean of the last tenth of the run,
+    at least 3 steps) and returns the exit code: 1, with the shortfall on stderr, unless the reward rose by
+    `min_gain`."""
     tail = rewards[-max(3, len(rewards) // 10):]
-    first, last = rewards[0], sum(tail) / len(tail)
+    first, last = sum(rewards[:head]) / len(rewards[:head]), sum(tail) / len(tail)
     print(f"reward: {first:.3f} -> {last:.3f}{note}")
     if last - first < min_gain:
         print(f"FAILED: the reward rose by {last - first:.3f} < {min_gain}", file=sys.stderr)
