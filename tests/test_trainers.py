@@ -589,6 +589,16 @@ def demo_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("demo")  # shared: the demo builds its tiny model there once
 
 
+def test_reward_verdict_compares_the_first_steps_mean_with_the_last_tenths(capsys):
+    from trainers_integration.demo import reward_verdict
+
+    rewards = [0.0, 0.3, 0.3] + [0.4] * 24 + [0.5] * 3  # 30 steps: the last tenth is the last 3
+    assert reward_verdict(rewards, 0.45) == 0  # from the first step: 0.0 -> 0.5
+    assert reward_verdict(rewards, 0.45, head=3) == 1  # from the first three steps' mean: 0.2 -> 0.5
+    out, err = capsys.readouterr()
+    assert "reward: 0.000 -> 0.500" in out and "reward: 0.200 -> 0.500" in out and "rose by 0.300 < 0.45" in err
+
+
 def test_demo_learns_in_a_few_steps(demo_dir, tmp_path, capsys):
     from trainers_integration.demo import main
 
