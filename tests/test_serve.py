@@ -133,6 +133,42 @@ def test_stop_strings_cut_text_and_tokens_where_the_string_completes(served, tok
     assert kept == ids[: len(kept)] and stop in tok.decode(kept) and stop not in tok.decode(kept[:-1])
 
 
+def test_a_long_streamed_row_decodes_in_linear_time_and_cuts_where_the_whole_row_does(tok):
+    from rollout.server.choices import Detokenizer, StreamedChoice, choice_of
+    from rollout.batch import Row
+
+    text = "".join(f"step {i}: caf\u00e9 \u2192 \U0001F600 na\u00efve {i * 7} " for i in range(150)) + "THE END and after"
+    ids = tok.encode(text)
+    assert len(ids) > 2000 and tok.decode(ids) == text
+
+    class Counting(Detokenizer):
+        decoded = 0
+
+        def text(self, part):
+            Counting.decoded += len(part)
+            return super().text(part)
+
+    for stops in ((), ("THE END",), ("\U0001F600 na",)):
+        Counting.decoded = 0
+        detok, state, sent, sent_ids = Counting(tok, stops), None, "", []
+        state = StreamedChoice(0, detok)
+        for n in range(1, len(ids) + 1):  # the engine reports the row so far after every step
+            delta = state.advance(ids[:n], [0.0] * n, [0] * n)
+            if delta is not None:
+                sent, sent_ids = sent + delta.text, sent_ids + delta.token_ids
+            if state.stopped:
+                break
+        streamed_cost = Counting.decoded
+        final = state.advance(ids, [0.0] * len(ids), [0] * len(ids), final=True)
+        if final is not None:
+            sent, sent_ids = sent + final.text, sent_ids + final.token_ids
+        whole = choice_of(0, Row(0, 0, [], ids, [0.0] * len(ids), [0.0] * len(ids), "length", 0), Detokenizer(tok, stops))
+        assert sent == whole.text and sent_ids == whole.token_ids, stops
+        # windows of a few tokens per step, plus one binary search for where a stop string completes (~log2(n)
+        # decodes of the row): under 30 n; a whole-row decode per step would be ~n^2 / 2 (8.7M here)
+        assert streamed_cost < 30 * len(ids), (stops, streamed_cost)
+
+
 def test_streamed_chunks_add_up_to_the_same_completion(served):
     _, _, client = served
     whole = chat(client, n=2, max_tokens=10, seed=7, logprobs=True)

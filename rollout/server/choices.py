@@ -5,7 +5,9 @@ string that is one token). A `stop` string is text, though, and may span tokens 
 finds the first stop string in the decoded text and keeps the tokens up to the one that completes it (their ids and
 logprobs are exact; the text ends before the stop string, as OpenAI's does; the tokens sampled after it are dropped,
 from the response and from a recorded episode alike). `StreamedChoice` does the same while the tokens arrive, holding
-back text that could still turn out to be the start of a stop string (or half of a UTF-8 character).
+back text that could still turn out to be the start of a stop string (or half of a UTF-8 character). It decodes
+incrementally (`IncrementalText`) and searches only the new text for stop strings, so a streamed row costs time
+linear in its length; its last chunk is checked against the whole row's decode.
 """
 
 from __future__ import annotations
@@ -43,10 +45,11 @@ class Detokenizer:
             return ""
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
-    def cut(self, ids: list[int]) -> tuple[int, str, bool]:
-        """(tokens kept, their text, whether a stop string ended them)."""
-        text = self.text(ids)
-        hits = [(text.find(s), s) for s in self.stops if s in text]
+    def cut(self, ids: list[int], text: str | None = None, start: int = 0) -> tuple[int, str, bool]:
+        """(tokens kept, their text, whether a stop string ended them). `text`: the text of `ids` when known;
+        `start`: the first position of it where a stop string may begin (the text before was searched already)."""
+        text = self.text(ids) if text is None else text
+        hits = [(pos, s) for s in self.stops if (pos := text.find(s, start)) >= 0]
         if not hits:
             return len(ids), text, False
         pos, stop = min(hits)
@@ -107,6 +110,28 @@ class Delta:
     top: list[Top] | None = None
 
 
+class IncrementalText:
+    """The text of a growing token list, decoding only a window at its end (as vLLM's incremental detokenizer): the
+    text of ids[:read] is settled; each update decodes ids[prefix:] against ids[prefix:read] (the window starts a
+    settled stretch back, so tokenizers that drop a leading space at a string's start see their context) and settles
+    what is new unless it ends in half a character. A window whose decode does not extend its old one (a tokenizer
+    that rewrites earlier text) settles the whole row from a full decode."""
+
+    def __init__(self, detok: Detokenizer) -> None:
+        self.detok, self.text, self.prefix, self.read = detok, "", 0, 0
+
+    def update(self, ids: list[int]) -> str:
+        if len(ids) > self.read:
+            before = self.detok.text(ids[self.prefix:self.read])
+            after = self.detok.text(ids[self.prefix:])
+            if not after.startswith(before):
+                self.text, self.prefix, self.read = self.detok.text(ids), len(ids), len(ids)
+            elif len(after) > len(before) and not after.endswith("\ufffd"):
+                self.text += after[len(before):]
+                self.prefix, self.read = self.read, len(ids)
+        return self.text
+
+
 @dataclass
 class StreamedChoice:
     """What has been sent of one choice while it streams."""
@@ -116,15 +141,23 @@ class StreamedChoice:
     token_ids: list[int] = field(default_factory=list)
     sent_text: str = ""
     stopped: bool = False  # a stop string ended it: later tokens are not sent
+    decoded: IncrementalText | None = None
+    searched: int = 0  # text positions before this cannot start a stop string (already searched)
 
     def advance(self, ids: list[int], logprobs: list[float], versions: list[int], top: list[Top] | None = None,
                 final: bool = False) -> Delta | None:
-        """The part of `ids` (the row so far) not sent yet, and the text that is safe to send; None if nothing."""
+        """The part of `ids` (the row so far) not sent yet, and the text that is safe to send; None if nothing.
+        `final`: `ids` is the whole row (its text is then the whole row's decode)."""
         if self.stopped:
             return None
         if ids[: len(self.token_ids)] != self.token_ids:
             raise Diverged(f"choice {self.index} was re-run after {len(self.token_ids)} tokens had been streamed")
-        kept, text, self.stopped = self.detok.cut(ids)
+        if self.decoded is None:
+            self.decoded = IncrementalText(self.detok)
+        whole = self.detok.text(ids) if final else self.decoded.update(ids)
+        kept, text, self.stopped = self.detok.cut(ids, whole, 0 if final else self.searched)
+        longest = max((len(s) for s in self.detok.stops), default=1)
+        self.searched = max(0, len(whole) - longest + 1)
         if not (final or self.stopped):
             text = text[: len(text) - self.detok.held_back(text)]
         start = len(self.token_ids)
