@@ -218,6 +218,19 @@ class RolloutBatch:
         return tok
 
 
+def rewards_tensor(values: Any, num_rows: int, rows: str = "") -> torch.Tensor:
+    """A reward function's output as an (R,) float32 CPU tensor, checked for length and finiteness. `rows` names
+    what the rewards are for in the error (default: "<num_rows> rows")."""
+    rewards = torch.as_tensor(values if isinstance(values, torch.Tensor) else list(values),
+                              dtype=torch.float32).detach().cpu().flatten()
+    if rewards.numel() != num_rows:
+        raise ValueError(f"reward_fn returned {rewards.numel()} rewards for {rows or f'{num_rows} rows'}. Fix: return "
+                         "one float per row of the RolloutBatch, in row order (prompt-major).")
+    if not bool(torch.isfinite(rewards).all()):
+        raise ValueError("reward_fn returned NaN or Inf. Fix: return finite rewards.")
+    return rewards
+
+
 def _episode_index(rows: Sequence[Row]) -> torch.Tensor:
     """A new episode starts at every row whose (prompt_index, sample_index) differs from the row before."""
     index, previous = [], None

@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from .batch import RolloutBatch
+from .batch import RolloutBatch, rewards_tensor
 from .env import EnvFactory, EpisodeSpec
 from .errors import check_int, invalid, preview
 from .loading import pad_token_id
@@ -279,7 +279,8 @@ class RolloutCollector:
     def _score(self, group: PromptGroup, part: RolloutBatch) -> None:
         """Reward pool: reward and judge one finished group, then make it ready."""
         try:
-            rewards = part.rewards if self.reward_fn is None else _rewards(self.reward_fn(part), len(part))
+            rewards = part.rewards if self.reward_fn is None else \
+                rewards_tensor(self.reward_fn(part), len(part), f"a group of {len(part)} rows")
             group.batch = dataclasses.replace(part, rewards=rewards)
             group.accepted = True if self.accept is None else bool(self.accept(group.batch))
         except Exception as error:  # noqa: BLE001 - the group's failure, never the collector's
@@ -371,16 +372,6 @@ class RolloutCollector:
 def _fresh_stats() -> dict[str, Any]:
     return dict(accepted_groups=0, rejected_groups=0, failed_groups=0, carried_rows=0, aborted_rows=0,
                 in_flight_groups=0, over_generated_tokens=0, staleness_hist={}, prompts_exhausted=0)
-
-
-def _rewards(values: Any, num_rows: int) -> torch.Tensor:
-    rewards = torch.as_tensor(values if isinstance(values, torch.Tensor) else list(values),
-                              dtype=torch.float32).detach().cpu().flatten()
-    if rewards.numel() != num_rows:
-        raise ValueError(f"reward_fn returned {rewards.numel()} rewards for a group of {num_rows} rows")
-    if not bool(torch.isfinite(rewards).all()):
-        raise ValueError("reward_fn returned NaN or Inf")
-    return rewards
 
 
 def _model_tokens(batch: RolloutBatch | None) -> int:

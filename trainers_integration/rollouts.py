@@ -86,18 +86,6 @@ def reference_logprobs(ref_model: torch.nn.Module, batch: RolloutBatch, temperat
     return out.to(device) if device is not None else out
 
 
-def rewards_tensor(rewards: Any, num_rows: int) -> torch.Tensor:
-    """The reward function's output as an (R,) float tensor, checked for length and finiteness."""
-    values = torch.as_tensor(rewards if isinstance(rewards, torch.Tensor) else list(rewards),
-                             dtype=torch.float32).detach().cpu().flatten()
-    if values.numel() != num_rows:
-        raise ValueError(f"reward_fn returned {values.numel()} rewards for {num_rows} rows. Fix: return one float "
-                         "per row of the RolloutBatch, in row order (prompt-major).")
-    if not bool(torch.isfinite(values).all()):
-        raise ValueError("reward_fn returned NaN or Inf. Fix: return finite rewards.")
-    return values
-
-
 def episode_starts(episode_index: torch.Tensor) -> torch.Tensor:
     """(R,) bool: True on each episode's first row (an episode's rows are consecutive)."""
     first = torch.ones(len(episode_index), dtype=torch.bool)

@@ -87,8 +87,9 @@ class Choice:
     top: list[Top] | None = None  # per token, when the request asked for top logprobs
 
     @property
-    def policy_version(self) -> int:
-        return min(self.token_versions) if self.token_versions else -1
+    def policy_version(self) -> int | None:
+        """The oldest version among its tokens (None for a choice without tokens)."""
+        return min(self.token_versions) if self.token_versions else None
 
 
 def choice_of(index: int, row: Row, detok: Detokenizer) -> Choice:

@@ -82,12 +82,20 @@ def segments(calls: Sequence[_Call]) -> list[_Segment]:
 
 @dataclass
 class _Last:
-    """An episode's latest call, for building its next prompt from the sampled tokens (chat.continuation)."""
+    """An episode's latest call, for building its next prompt from the sampled tokens (chat.continuation): its
+    messages and tools, and the recorded call itself (not a copy of its ids)."""
 
     messages: list[dict]
     tools: list[dict] | None
-    prompt_ids: list[int]
-    choices: list[Choice]
+    call: _Call
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.call.prompt_ids
+
+    @property
+    def choices(self) -> list[Choice]:
+        return self.call.choices
 
 
 class EpisodeRecorder:
@@ -102,9 +110,10 @@ class EpisodeRecorder:
     def record(self, episode_id: str, prompt_ids: list[int], choices: list[Choice],
                messages: list[dict] | None = None, tools: list[dict] | None = None) -> None:
         with self._lock:
-            self._calls.setdefault(episode_id, []).append(_Call(list(prompt_ids), list(choices)))
+            call = _Call(list(prompt_ids), list(choices))
+            self._calls.setdefault(episode_id, []).append(call)
             if messages is not None:
-                self._last[episode_id] = _Last(list(messages), tools, list(prompt_ids), list(choices))
+                self._last[episode_id] = _Last(list(messages), tools, call)
             else:
                 self._last.pop(episode_id, None)
 

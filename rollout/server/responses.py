@@ -48,12 +48,13 @@ def completion_logprobs(ids: list[int], logprobs: list[float], detok: Detokenize
             "text_offset": offsets}
 
 
-def extensions(request: Request, ids: list[int], versions: list[int], final: bool = True) -> dict:
+def extensions(request: Request, ids: list[int], versions: list[int], choice: Choice | None = None) -> dict:
+    """The token-id fields of a choice (`choice` given: the whole one, with its policy version) or of a delta."""
     if not request.return_token_ids:
         return {}
     out: dict[str, Any] = {"token_ids": ids, "token_versions": versions}
-    if final:
-        out["policy_version"] = min(versions) if versions else None
+    if choice is not None:
+        out["policy_version"] = choice.policy_version
     return out
 
 
@@ -64,7 +65,7 @@ def chat_response(request: Request, rid: str, created: int, model: str, choices:
         out_choices.append({
             "index": c.index, "message": c.message, "finish_reason": c.finish_reason,
             "logprobs": chat_logprobs(c.token_ids, c.logprobs, detok, c.top) if request.logprobs else None,
-            **extensions(request, c.token_ids, c.token_versions)})
+            **extensions(request, c.token_ids, c.token_versions, c)})
     body = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out_choices,
             "usage": usage(len(choices[0].prompt_ids), sum(len(c.token_ids) for c in choices), cached_tokens)}
     if request.return_token_ids:
@@ -79,7 +80,7 @@ def completion_response(request: Request, rid: str, created: int, model: str, ch
         item = {"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
                 "logprobs": completion_logprobs(c.token_ids, c.logprobs, detok, top=c.top) if request.logprobs
                 else None,
-                **extensions(request, c.token_ids, c.token_versions)}
+                **extensions(request, c.token_ids, c.token_versions, c)}
         if request.return_token_ids:
             item["prompt_token_ids"] = c.prompt_ids
         out_choices.append(item)
@@ -111,7 +112,7 @@ class Chunks:
     def delta(self, index: int, delta: Delta, prompt_ids: list[int]) -> dict:
         """Tokens of a choice as they come (with tools, content waits for the parsed message at the end)."""
         req = self.request
-        ext = extensions(req, delta.token_ids, delta.token_versions, final=False)
+        ext = extensions(req, delta.token_ids, delta.token_versions)
         if req.kind == "chat":
             body: dict[str, Any] = {"content": delta.text} if delta.text and not req.parses_tools else {}
             lp = chat_logprobs(delta.token_ids, delta.logprobs, self.detok, delta.top) if req.logprobs else None
