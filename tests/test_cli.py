@@ -30,7 +30,7 @@ INPUT = [  # blank lines are not records; fields other than the prompt and sampl
     {"id": "a", "prompt": "the cat is", "meta": {"split": "test"}},
     {"id": "b", "prompt_ids": [5, 6, 7, 8], "n": 3, "temperature": 0},
     None,
-    {"id": "c", "prompt": "one two three", "max_new_tokens": 3, "seed": 4},
+    {"id": "c", "prompt": "one two three", "max_new_tokens": 3, "seed": 4, "top_logprobs": 2},
     {"id": "d", "prompt_ids": [40, 41], "top_p": 0.5},
     {"id": "e", "prompt": "what is the answer", "ignore_eos": True},
 ]
@@ -399,6 +399,27 @@ def test_generated_logprobs_equal_a_plain_forward(generated, tiny):
         for ids, logprobs in zip(row["completion_ids"], row["logprobs"]):
             full, _ = reference_logprobs(model, prompt, ids, row.get("temperature", 0.9))
             assert torch.allclose(torch.tensor(logprobs), full, atol=TOL, rtol=0), row["id"]
+
+
+def test_a_line_asking_top_logprobs_gets_the_exact_alternatives_of_each_token(generated, tiny):
+    _, dst, _ = generated
+    model, tokenizer = tiny
+    rows = read_jsonl(dst)
+    assert [records.ALTERNATIVES in row for row in rows] == [False, False, True, False, False]  # only line "c"
+    row = rows[2]
+    prompt = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+    assert len(row[records.ALTERNATIVES]) == 2  # one per sample
+    for ids, logprobs, alternatives in zip(row["completion_ids"], row["logprobs"], row[records.ALTERNATIVES]):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1: -1]
+        reference = torch.log_softmax(logits.float() / 0.9, dim=-1)  # the flags' temperature
+        assert len(alternatives) == len(ids) and all(len(a) == 2 for a in alternatives)
+        listed = torch.tensor([[t for t, _ in a] for a in alternatives])
+        values = torch.tensor([[v for _, v in a] for a in alternatives])
+        assert torch.allclose(values, reference.topk(2, dim=-1).values, atol=TOL, rtol=0)
+        assert torch.allclose(reference.gather(1, listed), values, atol=TOL, rtol=0)
+        for token, value, pairs in zip(ids, logprobs, alternatives):  # listed: the very same number
+            assert all(v == value for t, v in pairs if t == token)
 
 
 def test_rerun_resumes_after_a_torn_line_and_stops_at_a_bad_line_keeping_rows(generated, tiny_path, tmp_path):

@@ -213,10 +213,11 @@ def _sigterm_as_interrupt():
 # ---------------------------------------------------------------------------------------------- argparse
 GENERATE_HELP = """\
 Each input line is a JSON object with "prompt" (text) or "prompt_ids" (token ids), and may carry its own
-sampling fields (n, temperature, top_k, top_p, max_new_tokens, stop_token_ids, ignore_eos, seed) that override
-the flags. Every other field is kept. Each output line is the input line plus, one entry per sample:
+sampling fields (n, temperature, top_k, top_p, max_new_tokens, stop_token_ids, ignore_eos, seed, top_logprobs)
+that override the flags. Every other field is kept. Each output line is the input line plus, one entry per sample:
   completions (text), completion_ids, logprobs (per token, log_softmax(logits / temperature)),
-  finish_reason ("stop" or "length"), policy_version.
+  finish_reason ("stop" or "length"), policy_version, and with top_logprobs K > 0: alternatives (per token, the
+  K most likely [token_id, logprob] pairs of that same distribution, most likely first).
 
 The input is read --batch-size lines at a time; rows are appended in input order after each chunk. Re-running
 the same command resumes after the last complete output line. Exit codes: 0 done, 2 bad input or flag (the
@@ -262,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="comma-separated ids that end a completion (default: the model's EOS)")
     sampling.add_argument("--ignore-eos", dest="ignore_eos", action="store_true", default=None,
                           help="always generate max_new_tokens")
+    sampling.add_argument("--top-logprobs", dest="top_logprobs", type=int, metavar="K",
+                          help="also write each token's K most likely alternatives, K <= 20 (default 0)")
     sampling.add_argument("--seed", type=int, metavar="SEED", help="line i samples with seed SEED + i: reproducible "
                           "whatever the batch size, resume point or number of workers (default: unseeded)")
     gen.add_argument("--chat-template", action="store_true", help="wrap text prompts (or a list of chat messages "

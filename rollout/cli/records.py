@@ -15,8 +15,10 @@ from .jsonl import FieldError, Record
 from ..errors import preview
 from ..params import UNSUPPORTED, SamplingParams
 
-SAMPLING_FIELDS = ("n", "temperature", "top_k", "top_p", "max_new_tokens", "stop_token_ids", "ignore_eos", "seed")
+SAMPLING_FIELDS = ("n", "temperature", "top_k", "top_p", "max_new_tokens", "stop_token_ids", "ignore_eos", "seed",
+                   "top_logprobs")
 GENERATE_OUTPUT = ("completions", "completion_ids", "logprobs", "finish_reason", "policy_version")
+ALTERNATIVES = "alternatives"  # lines with top_logprobs > 0: per sample, per token, [[id, logprob], ...]
 SCORE_OUTPUT = ("logprobs", "logprob_sum")
 # Names other engines give sampling controls: refused with the right name, not silently kept as plain data.
 MISNAMED = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "stop": "stop_token_ids",
@@ -40,7 +42,7 @@ def check_generate(data: dict, base: dict, chat_template: bool) -> None:
     for key in data:
         if key in MISNAMED:
             raise FieldError(key, f"is not a rollout sampling field. Fix: use {MISNAMED[key]}")
-    _check_reserved(data, GENERATE_OUTPUT)
+    _check_reserved(data, GENERATE_OUTPUT + (ALTERNATIVES,))
     sampling_for(data, base, None)
 
 
@@ -73,6 +75,11 @@ def generate_rows(chunk: list[Record], batch, tokenizer: Any) -> list[dict]:
         row["logprobs"].append(floats(batch.logprobs[i, : len(ids)]))
         row["finish_reason"].append(batch.finish_reason[i])
         row["policy_version"].append(int(batch.policy_version[i]))
+        if batch.top_ids is not None:
+            tops = zip(batch.top_ids[i, : len(ids)].tolist(), batch.top_logprobs[i, : len(ids)].tolist())
+            lists = [[[t, v] for t, v in zip(top_ids, values) if t >= 0] for top_ids, values in tops]
+            if lists and lists[0]:  # the line asked (a line that did not has none at any token)
+                row.setdefault(ALTERNATIVES, []).append(lists)
     if texts is None:  # no tokenizer: ids only
         for row in rows:
             del row["completions"]
