@@ -12,8 +12,10 @@ is `--median` tokens (the model's next-token distribution is nearly flat, so a c
 The reward is 0 for every sample of 40% of the prompts (those groups have zero variance: dynamic sampling drops them)
 and otherwise the parity of the sum of the completion's token ids. Between steps the weights are pushed back
 (the same tensors, version + 1) under in_flight="recompute", as a trainer does after its optimizer step: rows carried
-by partial rollouts have their KV recomputed (on a CPU a prefill token costs about what a decode token costs at
-full batch, so this is the price partial rollouts pay here for exactness; on a GPU prefill is far cheaper).
+by partial rollouts have their KV recomputed (on this CPU a re-prefilled token costs about half a sampled one, so
+this is the price partial rollouts pay here for exactness; on a GPU prefill is far cheaper). `--push keep` pushes
+with in_flight="keep" instead (carried rows go on over their old-weight KV, as the peers' partial rollouts do:
+inexact), to show what exactness costs.
 
 Methods, each run for a warm-up step and `--steps` measured steps:
 - sync: generate `--groups` prompts per step, then reward and keep the groups whose rewards differ;
@@ -108,9 +110,9 @@ class StepMeter:
         return self.rows / max(self.steps, 1)
 
 
-def push(worker, state, enabled: bool) -> None:
-    if enabled:
-        worker.update_weights(state, in_flight="recompute")
+def push(worker, state, mode: str | None) -> None:
+    if mode is not None:
+        worker.update_weights(state, in_flight=mode)
 
 
 def run_sync(worker, state, args, sampling, stream) -> dict:
@@ -196,7 +198,11 @@ def main() -> None:
     # step's 39); a budget-length row needs ~3 steps, so max_staleness 2 lets it finish instead of being regenerated
     parser.add_argument("--over-sample", type=float, default=2.0, help="the collectors' over_sample")
     parser.add_argument("--max-staleness", type=int, default=2, help="the collectors' max_staleness")
-    parser.add_argument("--no-push", dest="push", action="store_false", help="no weight push between steps")
+    parser.add_argument("--push", default="recompute", choices=["recompute", "keep"], help="the pushes' in_flight "
+                        "mode: recompute (exact, the default) or keep (carried rows go on over their old-weight KV, as "
+                        "the peers' partial rollouts do: inexact, for comparison)")
+    parser.add_argument("--no-push", dest="push", action="store_const", const=None, help="no weight push between "
+                        "steps")
     parser.add_argument("--methods", default="sync,collector,partial")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -222,7 +228,7 @@ def main() -> None:
           f"completion {args.median} (K={num_stops} stop tokens), budget {8 * args.median}, 1 prompt in 10 runs "
           f"to it; 40% of groups zero-variance; sync {args.groups} prompts/step, collectors {args.accepted} accepted "
           f"groups/step, over_sample {args.over_sample}, max_staleness {args.max_staleness}; weight push per step: "
-          f"{'recompute' if args.push else 'none'}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
+          f"{args.push or 'none'}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
           f"{CLOCK.paused:.0f}s paused by the machine's owner left out of the timings")
     base = results.get("sync")
     print(f"{'method':<10}{'s':>7}{'groups/s':>10}{'acc tok/s':>11}{'gen tok/s':>11}{'rows/step':>10}{'over-gen':>10}"
