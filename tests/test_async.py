@@ -99,6 +99,31 @@ def test_recompute_switch_mid_generation_keeps_every_token_exact_under_its_own_v
     assert batch.policy_version.tolist() == [0] * len(batch)  # the oldest version in the row
 
 
+def test_top_logprobs_across_a_recompute_switch_are_exact_under_each_tokens_version(own):
+    worker, models = own
+    future = worker.submit(prompts_of([7, 30]), SamplingParams(n=2, max_new_tokens=40, ignore_eos=True,
+                                                                 top_logprobs=3))
+    wait_for_tokens(worker, 8)
+    worker.update_weights(models[1].state_dict(), in_flight="recompute")
+    batch = future.result(timeout=120)
+    seen = set()
+    for r in range(len(batch)):
+        n = int(batch.completion_lengths[r])
+        ids = batch.prompt_ids[r] + batch.completion_ids[r, :n].tolist()
+        for version, model in models.items():
+            at = batch.token_versions[r, :n] == version
+            if not at.any():
+                continue
+            seen.add(version)
+            with torch.no_grad():  # the alternatives come from the weights that sampled the token
+                logits = model(torch.tensor([ids])).logits[0, len(batch.prompt_ids[r]) - 1: -1].float()
+            reference = torch.log_softmax(logits, dim=-1)[at]
+            listed, values = batch.top_ids[r, :n][at], batch.top_logprobs[r, :n][at]
+            assert torch.allclose(values, reference.topk(3, dim=-1).values, atol=TOL, rtol=0), (r, version)
+            assert torch.allclose(reference.gather(1, listed), values, atol=TOL, rtol=0), (r, version)
+    assert seen == {0, 1}
+
+
 def test_keep_switch_continues_on_old_kv_with_a_measurable_gap_and_never_reuses_it(own):
     worker, models = own
     prompts = prompts_of([30, 45])
