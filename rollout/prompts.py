@@ -87,6 +87,9 @@ def check_prompt(ids: list[int], params: SamplingParams, index: int, vocab_size:
         if token >= vocab_size:
             raise invalid("stop_token_ids", token, f"ids must be in [0, {vocab_size})",
                           "use the model's own token ids", where)
+    if params.top_logprobs > vocab_size:
+        raise invalid("top_logprobs", params.top_logprobs, f"the vocabulary has only {vocab_size} tokens",
+                      f"ask for at most {vocab_size} alternatives", where)
 
 
 def prepare_call(prompts: Sequence[Any], sampling: SamplingParams | Sequence[SamplingParams] | None,

@@ -214,6 +214,14 @@ def test_bad_input_is_rejected_before_anything_is_submitted(shared, prompts, sam
     assert repr(engine._ids) != next_id  # the witness works: a good call does take an id
 
 
+def test_more_alternatives_than_the_vocabulary_has_are_refused_naming_the_field():
+    from rollout.prompts import check_prompt
+
+    check_prompt([1, 2], SamplingParams(top_logprobs=4), 0, vocab_size=4, max_context=None, max_request_tokens=99)
+    with pytest.raises(ValueError, match=r"prompt 0: top_logprobs=5 is invalid: the vocabulary has only 4 tokens"):
+        check_prompt([1, 2], SamplingParams(top_logprobs=5), 0, vocab_size=4, max_context=None, max_request_tokens=99)
+
+
 def test_empty_call_returns_an_empty_batch(shared):
     batch = shared.generate([])
     assert len(batch) == 0 and batch.completion_ids.shape == (0, 0)
