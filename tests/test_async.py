@@ -157,18 +157,25 @@ def test_wait_and_abort_switches_with_calls_in_flight(own):
     assert gaps_by_version({2: models[0]}, aborted)[2] <= TOL
 
 
+class Slowish:
+    """An environment whose steps take 50 ms (an update lands while episodes are in them); turn k is answered with
+    `observation(k)`."""
+
+    @staticmethod
+    def observation(turn: int) -> list[int]:
+        return [11, 12, 13 + turn]
+
+    def __init__(self, prompt_index: int, sample_index: int) -> None:
+        self.turns = 0
+
+    def step(self, completion_ids: list[int]) -> Turn:
+        self.turns += 1
+        time.sleep(0.05)
+        return Turn(self.observation(self.turns))
+
+
 def test_recompute_switch_during_episodes(own):
     worker, models = own
-
-    class Slowish:
-        def __init__(self, prompt_index, sample_index):
-            self.turns = 0
-
-        def step(self, completion_ids):
-            self.turns += 1
-            time.sleep(0.05)
-            return Turn([11, 12, 13 + self.turns])
-
     future = worker.submit(prompts_of([10, 17]), SamplingParams(n=2, max_new_tokens=30, ignore_eos=True),
                            env=Slowish, max_turns=4)
     wait_for_tokens(worker, 2)  # mid-episode, whatever the machine's load: every row has tokens of version 0

@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from rollout import RolloutWorker, SamplingParams, Turn, WorkerConfig
+from rollout import RolloutWorker, SamplingParams, WorkerConfig
 from rollout.testing import load_tiny_model
-from test_async import gaps_by_version, perturbed, wait_for_tokens
+from test_async import Slowish as SlowEnv, gaps_by_version, perturbed, wait_for_tokens
 from test_moe import agreement, own_routing, prompts_of, row_tokens
 
 TOL = 1e-5
@@ -104,14 +104,10 @@ def test_keep_switch_keeps_the_routing_that_built_the_old_kv(own):
 def test_recompute_switch_during_episodes_routes_observations_by_the_new_weights(own):
     worker, models = own
 
-    class Slowish:
-        def __init__(self, prompt_index, sample_index):
-            self.turns = 0
-
-        def step(self, completion_ids):
-            self.turns += 1
-            time.sleep(0.05)
-            return Turn([11, 12, 13 + self.turns, 40, 41, 42, 43, 44, 45])
+    class Slowish(SlowEnv):
+        @staticmethod
+        def observation(turn: int) -> list[int]:  # 9 tokens: more than a page (8) routed by the new weights
+            return [11, 12, 13 + turn, 40, 41, 42, 43, 44, 45]
 
     future = worker.submit(prompts_of([10, 17]), SamplingParams(n=2, max_new_tokens=12, ignore_eos=True),
                            env=Slowish, max_turns=3)
