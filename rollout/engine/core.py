@@ -41,7 +41,7 @@ from . import switch
 from .call import Call, Sample
 from .counters import Counters, kv_pages
 from .ledger import Entry, Ledger, split_tops
-from . import cuda, linear, sizing
+from . import cuda, sizing
 from .manager import RolloutManager
 from .preemption import RolloutOffloading
 from .recorder import RoutingHole, RoutingRecorder
@@ -96,12 +96,7 @@ class Engine:
         # the MoE routers whose choices are recorded (WorkerConfig.record_routing; an unknown router fails here)
         self._routers = find_routers(model) if self.config.record_routing else None
         self._recorder: RoutingRecorder | None = None
-        self._blocked = linear.blocked(model)  # wide linear layers in column blocks on the engine thread (linear.py)
-        try:
-            self._manager = self._build_manager()
-        except BaseException:  # a config this model cannot run with: the model is given back as it came
-            linear.restore(self._blocked)
-            raise
+        self._manager = self._build_manager()
         self._supervisor = threading.Thread(target=self._supervise, daemon=True, name="rollout-supervisor")
         self._supervisor.start()
 
@@ -215,7 +210,6 @@ class Engine:
         if manager is not None and manager._generation_thread is not None:
             manager.stop(block=True, timeout=30)
         self._stop_recording()
-        linear.restore(self._blocked)
 
     def _restart(self) -> None:
         """Replace a dead manager with a fresh one (fresh cache); what it held is queued for re-running."""
