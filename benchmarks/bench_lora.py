@@ -24,9 +24,9 @@ import time
 import torch
 
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
-from rollout.adapters import merged
+from rollout.model.adapters import merged
+from rollout.model.weights import fingerprint
 from rollout.testing import build_tiny_model, load_tiny_model
-from rollout.weights import fingerprint
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

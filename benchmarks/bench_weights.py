@@ -25,8 +25,8 @@ import time
 import torch
 
 from rollout import RolloutWorker, WorkerConfig
+from rollout.model.weights import fingerprint as full_fingerprint
 from rollout.testing import build_tiny_model, load_tiny_model
-from rollout.weights import fingerprint as full_fingerprint
 
 
 def median_seconds(fn, repeats: int) -> float:

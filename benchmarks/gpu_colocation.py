@@ -8,7 +8,7 @@ Sleep / wake: a RolloutWorker on the Qwen2.5-0.5B-shaped bench model (bf16) with
 what the process holds from the device (torch.cuda.memory_reserved; RSS on CPU) awake, asleep and woken, and the
 device's free memory (what a trainer could take); sleep() and wake() are timed; the rollouts after wake are checked
 against a plain forward of the same weights.
-Fingerprint: rollout.weights.fingerprint over bf16 tensors of Qwen2.5-7B's shapes (7.6B parameters), warm, against
+Fingerprint: rollout.model.weights.fingerprint over bf16 tensors of Qwen2.5-7B's shapes (7.6B parameters), warm, against
 the old way (copy every tensor to the host, sha256 of the bytes) timed on two layers and scaled to the whole model.
 """
 
@@ -23,7 +23,7 @@ import time
 import torch
 
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
-from rollout.weights import fingerprint
+from rollout.model.weights import fingerprint
 
 # Qwen2.5-7B: hidden 3584, 28 layers, 28 query / 4 KV heads of 128, MLP 18944, vocabulary 152064
 SHAPE_7B = dict(hidden=3584, layers=28, kv=512, mlp=18944, vocab=152064)

@@ -37,7 +37,7 @@ def main() -> None:
 
 
 def _fingerprint(model) -> str:
-    from rollout.weights import fingerprint
+    from rollout.model.weights import fingerprint
 
     return fingerprint(model)
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import reference_logprobs
+
 from rollout import __version__, cli
 from rollout.cli import jsonl, records
 from rollout.cli.jsonl import FieldError, Job, JsonlError, Stats
@@ -198,7 +198,7 @@ def test_generate_serves_exact_metrics_while_it_runs_and_stops_after(tiny_path, 
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    from rollout.worker import RolloutWorker
+    from rollout.worker.worker import RolloutWorker
 
     servers, scraped, tokens = [], [], [0]
     serve = RolloutWorker.serve_metrics
@@ -228,7 +228,7 @@ def test_the_progress_bar_shows_the_engines_tok_s_and_kv_use(monkeypatch):
     import threading
 
     from rollout.cli.main import LiveStatus
-    from rollout.metrics import WorkerMetrics
+    from rollout.metrics.snapshot import WorkerMetrics
 
     clock = iter([100.0, 102.0])
     snapshots = iter([WorkerMetrics(sampled_tokens=50, kv_pages_total=64, kv_pages_used=16, kv_pages_peak=20),

@@ -10,14 +10,14 @@ import time
 
 import pytest
 import torch
-
 from conftest import reference_logprobs
+
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
 from rollout.fleet.actor import FleetActor, from_shared, model_source, to_shared
 from rollout.fleet.collective import WeightGroup, free_port, layout, pack, unpack
 from rollout.fleet.dispatch import Dispatcher
+from rollout.model.weights import fingerprint
 from rollout.testing import load_tiny_model
-from rollout.weights import fingerprint
 
 ray = pytest.importorskip("ray")
 

@@ -8,11 +8,11 @@ import gc
 
 import pytest
 import torch
-
 from conftest import reference_logprobs
+
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
+from rollout.model.weights import fingerprint
 from rollout.testing import load_tiny_model
-from rollout.weights import fingerprint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -79,25 +79,110 @@ def test_nothing_under_rollout_imports_the_trainers():
     assert offenders == []
 
 
-def test_relative_imports_never_climb_from_a_lower_layer_to_a_higher_one():
-    """engine <- worker <- fleet; scoring, cli and testing sit beside. The engine imports only leaf modules."""
-    leaves = {"params", "config", "batch", "errors", "env", "moe"}
+# Every arrow between rollout's folders (a package may import itself and what is listed; "(top)" is rollout/__init__).
+# base <- moe <- engine <- model <- worker <- fleet; scoring, metrics, envs and the collector beside; server, cli on top.
+ALLOWED = {
+    "base": set(),
+    "moe": {"base"},
+    "engine": {"base", "moe"},
+    "model": {"base", "engine"},  # engine.streams: the counter-based hash the fingerprint shares
+    "metrics": {"base"},
+    "envs": {"base"},
+    "scoring": {"base", "moe", "model"},
+    "collector": {"base", "model"},  # a worker or a fleet only through the Rollouts contract
+    "worker": {"base", "moe", "engine", "model", "metrics", "scoring"},
+    "fleet": {"base", "moe", "model", "metrics", "worker"},  # never the engine's internals
+    "server": {"base", "model"},  # any Rollouts, worker or fleet, through the contract
+    "cli": {"(top)", "base", "model", "metrics", "scoring", "worker", "fleet", "server"},
+    "testing": set(),
+    "(top)": {"base", "moe", "model", "worker", "fleet", "collector", "envs", "server", "scoring"},
+}
+MAX_TOP_LEVEL_MODULES = 8
+
+
+def package_arrows() -> dict[tuple[str, str], set[str]]:
+    """(importing folder, imported folder) -> the files that import across, for every import inside rollout/."""
+    arrows: dict[tuple[str, str], set[str]] = {}
     for path, tree in sources().items():
-        if not path.startswith("rollout/engine/"):
-            continue
+        parts = Path(path).with_suffix("").parts  # ("rollout", "engine", "core")
+        here = list(parts[:-1]) if parts[-1] != "__init__" else list(parts[:-1])
+        folder = parts[1] if len(parts) > 2 else "(top)"
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level == 2:
-                assert (node.module or "").split(".")[0] in leaves, f"{path} imports rollout.{node.module}"
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                target = here[: len(here) - node.level + 1] + (node.module.split(".") if node.module else [])
+            elif node.module and node.module.split(".")[0] == "rollout":
+                target = node.module.split(".")
+            else:
+                continue
+            names = [target[1]] if len(target) > 1 else [a.name for a in node.names]
+            for name in names:
+                kind = name if (ROOT / name).is_dir() else "(top)"
+                if kind != folder:
+                    arrows.setdefault((folder, kind), set()).add(path)
+    return arrows
+
+
+def test_every_import_between_folders_is_an_allowed_arrow():
+    arrows = package_arrows()
+    assert set(ALLOWED) >= {folder for folder, _ in arrows}, "a new folder needs its row in ALLOWED"
+    offenders = {f"{a} -> {b}": sorted(files) for (a, b), files in arrows.items() if b not in ALLOWED[a]}
+    assert offenders == {}
+
+
+def test_the_allowed_arrows_point_one_way():
+    """No cycle between folders: each layer is usable without those above it."""
+    done, visiting = set(), set()
+
+    def visit(folder: str, path: tuple[str, ...]) -> None:
+        assert folder not in visiting, f"cycle: {' -> '.join(path)}"
+        if folder in done:
+            return
+        visiting.add(folder)
+        for below in ALLOWED[folder]:
+            visit(below, path + (below,))
+        visiting.discard(folder)
+        done.add(folder)
+
+    for folder in ALLOWED:
+        visit(folder, (folder,))
+
+
+def test_the_top_level_holds_few_modules_and_every_folder_is_a_package():
+    modules = sorted(p.name for p in ROOT.glob("*.py"))
+    assert len(modules) <= MAX_TOP_LEVEL_MODULES, modules
+    folders = sorted(p.name for p in ROOT.iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert set(folders) == set(ALLOWED) - {"(top)"}
+    for folder in folders:
+        assert (ROOT / folder / "__init__.py").exists(), folder
+
+
+def test_trainers_import_only_public_rollout_names():
+    """trainers_integration uses rollout as a user would: names in `__all__` of rollout, rollout.base or
+    rollout.testing."""
+    public = {m: set(importlib.import_module(m).__all__) for m in ("rollout", "rollout.base", "rollout.testing")}
+    offenders = []
+    for path in sorted((ROOT.parent / "trainers_integration").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                offenders += [f"{path.name}: import {a.name}" for a in node.names
+                              if a.name.split(".")[0] == "rollout" and a.name not in public]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
+                    node.module.split(".")[0] == "rollout":
+                names = public.get(node.module)
+                offenders += [f"{path.name}: from {node.module} import {a.name}" for a in node.names
+                              if names is None or a.name not in names]
+    assert offenders == []
 
 
 def test_the_public_names_still_import_from_the_top():
     rollout = importlib.import_module("rollout")
-    for name in ("RolloutWorker", "RolloutFleet", "WorkerConfig", "SamplingParams", "RolloutBatch", "score",
-                 "FleetResources"):
+    for name in rollout.__all__:
         assert getattr(rollout, name) is not None, name
 
 
 def test_every_subpackage_says_what_it_owns_and_may_import():
-    for package in ("engine", "fleet", "scoring", "cli", "testing"):
+    for package in sorted(set(ALLOWED) - {"(top)"}):
         doc = ast.get_docstring(ast.parse((ROOT / package / "__init__.py").read_text()))
         assert doc and "import" in doc, package

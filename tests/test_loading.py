@@ -1,4 +1,4 @@
-"""rollout.loading: the one checkpoint loader (worker, scoring, CLI and fleet actors) and its dtype rule."""
+"""rollout.model.loading: the one checkpoint loader (worker, scoring, CLI and fleet actors) and its dtype rule."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from rollout import RolloutWorker, WorkerConfig, score
-from rollout.loading import (load_model, load_tokenizer, loading_attention, model_from_state_dict, pad_token_id,
-                             resolve_dtype)
+from rollout.model.loading import (load_model, load_tokenizer, loading_attention, model_from_state_dict, pad_token_id,
+                                   resolve_dtype)
 from rollout.testing import load_tiny_model
 
 

@@ -11,10 +11,11 @@ import torch
 peft = pytest.importorskip("peft", reason="PEFT is not installed: pip install 'rollout[peft]'")
 
 from conftest import reference_logprobs  # noqa: E402
+
 from rollout import RolloutWorker, SamplingParams, WorkerConfig  # noqa: E402
-from rollout.adapters import merged, peft_names  # noqa: E402
+from rollout.model.adapters import merged, peft_names  # noqa: E402
+from rollout.model.weights import fingerprint, plan_update  # noqa: E402
 from rollout.testing import load_tiny_model  # noqa: E402
-from rollout.weights import fingerprint, plan_update  # noqa: E402
 from trainers_integration.lora import add_lora, trainable  # noqa: E402
 from trainers_integration.rollouts import policy_weights, push_weights, shares_model  # noqa: E402
 

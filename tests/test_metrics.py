@@ -18,7 +18,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from rollout import RolloutWorker, SamplingParams, Turn, WorkerConfig
-from rollout.metrics import COUNTER, FLEET_METRICS, GAUGE, METRICS, FleetMetrics, WorkerMetrics
+from rollout.metrics.snapshot import COUNTER, FLEET_METRICS, GAUGE, METRICS, FleetMetrics, WorkerMetrics
 
 PAGE = 16
 CONFIG = WorkerConfig(page_size=PAGE, num_blocks=64, max_batch_tokens=128)

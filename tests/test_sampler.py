@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
+from rollout.base.params import SamplingParams
 from rollout.engine.sampler import ALL, NONE, RowSpec, SamplingRows, sample_rows, truncation_mask
 from rollout.engine.streams import stream_key, uniform_reference, uniforms
-from rollout.params import SamplingParams
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1, 0.0]]).clamp_min(1e-30))  # token 4 has probability ~0
 

@@ -8,11 +8,11 @@ import time
 
 import pytest
 import torch
-
 from conftest import reference_logprobs
-from rollout import RolloutBatch, RolloutWorker, SamplingParams, Turn, WorkerConfig
-from rollout.batch import Row
 from test_episodes import PAGE, TOL, prompts_of, worker  # noqa: F401 - the episodes tests' worker and prompts
+
+from rollout import RolloutBatch, RolloutWorker, SamplingParams, Turn, WorkerConfig
+from rollout.base.batch import Row
 
 
 class Rewriter:

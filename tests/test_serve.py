@@ -21,9 +21,9 @@ import urllib.request
 import openai
 import pytest
 import torch
+from conftest import reference_logprobs
 
 import rollout
-from conftest import reference_logprobs
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
 from rollout.testing import build_chat_tokenizer, load_tiny_model, teach
 
@@ -134,8 +134,8 @@ def test_stop_strings_cut_text_and_tokens_where_the_string_completes(served, tok
 
 
 def test_a_long_streamed_row_decodes_in_linear_time_and_cuts_where_the_whole_row_does(tok):
+    from rollout.base.batch import Row
     from rollout.server.choices import Detokenizer, StreamedChoice, choice_of
-    from rollout.batch import Row
 
     text = "".join(f"step {i}: caf\u00e9 \u2192 \U0001F600 na\u00efve {i * 7} " for i in range(150)) + "THE END and after"
     ids = tok.encode(text)

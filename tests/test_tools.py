@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from rollout.env import Environment, Turn
+from rollout.base.env import Environment, Turn
+from rollout.envs.tools import ToolEnvironment
 from rollout.testing import build_chat_tokenizer, build_reasoning_chat_tokenizer
-from rollout.tools import ToolEnvironment
 
 PROMPT = [{"role": "user", "content": "what is two plus three"}]
 
@@ -369,6 +369,7 @@ def test_a_reasoning_model_calls_a_tool_inside_the_engine_and_each_segment_is_ex
     tool result is rendered, so turn 2 is generated from the re-rendered chat: two rows, each exact against a forward
     of its own prompt and completion, the episode's reward on both."""
     from conftest import reference_logprobs
+
     from rollout import RolloutWorker, SamplingParams, WorkerConfig
 
     model, _ = tiny

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import reference_logprobs
+
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
 from rollout.testing import load_tiny_model
 from trainers_integration import losses
@@ -19,7 +19,6 @@ from trainers_integration.forward import completion_logprobs, pack
 from trainers_integration.grpo import GRPOConfig, GRPOTrainer
 from trainers_integration.ppo import PPOConfig, PPOTrainer
 from trainers_integration.value import CriticModel, ValueHead
-
 
 GAP = 1e-4
 PROMPTS = ["the cat is", "one plus two", "how many apples", "red blue green"]
@@ -691,7 +690,7 @@ def tensorboard_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
 
 
 def _fingerprint(model):
-    from rollout.weights import fingerprint
+    from rollout.model.weights import fingerprint
 
     return fingerprint(model)
 

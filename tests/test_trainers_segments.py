@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rollout import EpisodeSpec, RolloutBatch, RolloutWorker, Turn, WorkerConfig
-from rollout.batch import Row
+from rollout.base.batch import Row
 from trainers_integration import losses
 from trainers_integration.grpo import GRPOConfig, GRPOTrainer
 from trainers_integration.ppo import PPOConfig, PPOTrainer

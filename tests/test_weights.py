@@ -8,8 +8,8 @@ import time
 
 import pytest
 import torch
-
 from conftest import reference_logprobs
+
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
 from rollout.testing import load_tiny_model
 
@@ -165,7 +165,7 @@ def checksum_reference(tensor: torch.Tensor) -> int:
 
 
 def test_a_checksum_is_its_reference_and_sees_any_one_flipped_bit(monkeypatch):
-    from rollout import weights
+    from rollout.model import weights
 
     x = torch.randn(3000, generator=torch.Generator().manual_seed(0))
     assert int(weights.checksum(x)) == checksum_reference(x)
@@ -271,8 +271,8 @@ def test_a_bad_version_is_rejected_before_any_weight_changes(worker):
 
 
 def test_a_worker_fingerprint_rehashes_only_what_was_written_tied_weights_included(tiny_tied_qwen_path, monkeypatch):
-    import rollout.weights as weights_mod
-    from rollout.weights import fingerprint
+    import rollout.model.weights as weights_mod
+    from rollout.model.weights import fingerprint
 
     model, _ = load_tiny_model(tiny_tied_qwen_path)
     hashed = []

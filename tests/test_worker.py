@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import reference_logprobs
+
 from rollout import RolloutBatch, RolloutWorker, SamplingParams, WorkerConfig
 from rollout.engine.runner import RolloutModelRunner
 
@@ -215,7 +215,7 @@ def test_bad_input_is_rejected_before_anything_is_submitted(shared, prompts, sam
 
 
 def test_more_alternatives_than_the_vocabulary_has_are_refused_naming_the_field():
-    from rollout.prompts import check_prompt
+    from rollout.worker.validation import check_prompt
 
     check_prompt([1, 2], SamplingParams(top_logprobs=4), 0, vocab_size=4, max_context=None, max_request_tokens=99)
     with pytest.raises(ValueError, match=r"prompt 0: top_logprobs=5 is invalid: the vocabulary has only 4 tokens"):

@@ -7,8 +7,7 @@ import math
 from dataclasses import dataclass
 
 from rollout import SamplingParams
-from rollout.config import check_in_flight
-from rollout.errors import check_int, invalid
+from rollout.base import check_in_flight, check_int, invalid
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -36,8 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rollout import RolloutBatch, SamplingParams
-from rollout.weights import fingerprint
+from rollout import RolloutBatch, SamplingParams, fingerprint
 
 from .rollouts import policy_weights, prompt_stream, unwrapped
 

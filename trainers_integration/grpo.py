@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from rollout import EpisodeSpec, RolloutBatch, Rollouts
-from rollout.errors import invalid
+from rollout.base import invalid
 
 from . import losses
 from .config import RolloutTrainerConfig

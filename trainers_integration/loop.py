@@ -23,13 +23,13 @@ from typing import Any
 import torch
 
 from rollout import EpisodeSpec, RolloutBatch, RolloutCollector, Rollouts, nonzero_std
-from rollout.batch import rewards_tensor
+from rollout.base import rewards_tensor
 
 from .config import RolloutTrainerConfig
 from .pipeline import Pipeline, staleness
-from .tracking import loggable, rollout_metrics, zero_variance_fraction
 from .rollouts import (PromptsExhausted, episode_rewards, episode_starts, flat_prompts, prompt_stream, push_weights,
                        reference_logprobs, shares_model, timed_generate)
+from .tracking import loggable, rollout_metrics, zero_variance_fraction
 
 
 class RolloutLoop:

@@ -7,7 +7,7 @@
     trainer = GRPOTrainer(policy, optimizer, reward_fn, prompts, worker_or_fleet, config)
 
 After each step the trainers push only the adapter (`get_peft_model_state_dict`, PEFT's own names) to a rollout
-side that holds its own copy (`trainers_integration.rollouts.policy_weights`); `rollout.weights` maps those names to
+side that holds its own copy (`trainers_integration.rollouts.policy_weights`); `rollout.model.weights` maps those names to
 the model's. Needs `rollout[peft]`.
 """
 

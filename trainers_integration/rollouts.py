@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from rollout import EpisodeSpec, RolloutBatch, Rollouts, adapters
-from rollout import PromptsExhausted  # an iterable prompt source (or a collector's stream) ran out: `train` stops
-from rollout.loading import pad_token_id as tokenizer_pad_id
+# PromptsExhausted: an iterable prompt source (or a collector's stream) ran out: `train` stops
+from rollout import EpisodeSpec, PromptsExhausted, RolloutBatch, Rollouts, adapters
+from rollout import pad_token_id as tokenizer_pad_id
 
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:

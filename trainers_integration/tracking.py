@@ -6,7 +6,7 @@ sides, and accelerate's trackers.
     trainer = GRPOTrainer(..., tracker=accelerator)     # every step: accelerator.log(metrics, step=step)
 
 - `rollout_metrics(rollouts)`: the rollout side's snapshot (`rollouts.metrics()`: a worker's or a fleet's totals),
-  flattened under `rollout/...` keys (rollout/metrics.py names them; docs/observability.md lists them).
+  flattened under `rollout/...` keys (rollout/metrics/snapshot.py names them; docs/observability.md lists them).
 - `offpolicy_split`: over the batch's action tokens, mean |trainer logprob - behaviour logprob| for tokens made by
   the version the trainer holds (`offpolicy/gap_current`: numerics alone, ~1e-6 in fp32 here) and for tokens made
   by older versions (`offpolicy/gap_stale`: staleness plus numerics), and the older tokens' share. This engine's

@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
 
 # ---------------------------------------------------------------------------------------------- commands
 def build_generate(args: argparse.Namespace, resources: contextlib.ExitStack) -> Job:
-    from ..config import WorkerConfig
-    from ..params import SamplingParams
+    from ..base.config import WorkerConfig
+    from ..base.params import SamplingParams
 
     _check_paths(args)
     base = {k: getattr(args, k) for k in records.SAMPLING_FIELDS if getattr(args, k) is not None}
@@ -100,7 +100,7 @@ def build_score(args: argparse.Namespace, resources: contextlib.ExitStack) -> Jo
         raise UsageError(f"--max-batch-tokens {args.max_batch_tokens} is invalid: must be >= 1")
 
     def start() -> Process:
-        from ..loading import load_model
+        from ..model.loading import load_model
         from ..scoring import score
 
         model, tokenizer = load_model(args.model, field="--model")
@@ -123,7 +123,7 @@ def _generate_backend(args: argparse.Namespace, config, resources: contextlib.Ex
 
         backend = RolloutFleet(args.model, num_workers=args.workers, config=config)
     else:
-        from ..worker import RolloutWorker
+        from ..worker.worker import RolloutWorker
 
         backend = RolloutWorker(args.model, config=config)
     resources.callback(backend.close)
@@ -131,7 +131,7 @@ def _generate_backend(args: argparse.Namespace, config, resources: contextlib.Ex
 
 
 def _metrics_port_free(args: argparse.Namespace) -> None:
-    from ..prometheus import check_port
+    from ..metrics.prometheus import check_port
 
     try:
         check_port(args.metrics_port, args.metrics_host)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..base.errors import preview
+from ..base.params import UNSUPPORTED, SamplingParams
 from .jsonl import FieldError, Record
-from ..errors import preview
-from ..params import UNSUPPORTED, SamplingParams
 
 SAMPLING_FIELDS = ("n", "temperature", "top_k", "top_p", "max_new_tokens", "stop_token_ids", "ignore_eos", "seed",
                    "top_logprobs")

@@ -12,7 +12,7 @@ import dataclasses
 import os
 import sys
 
-from ..config import WorkerConfig
+from ..base.config import WorkerConfig
 from .main import _sigterm_as_interrupt
 
 EPILOG = """\
@@ -59,7 +59,7 @@ def _rollouts(args: argparse.Namespace, config: WorkerConfig):
         from ..fleet import RolloutFleet
 
         return RolloutFleet(args.model, num_workers=args.workers, config=config)
-    from ..worker import RolloutWorker
+    from ..worker.worker import RolloutWorker
 
     return RolloutWorker(args.model, config=config)
 

@@ -8,8 +8,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..batch import Row
-from ..params import SamplingParams
+from ..base.batch import Row
+from ..base.params import SamplingParams
 from .episode import Episode
 
 

@@ -31,27 +31,25 @@ from transformers.generation.continuous_batching.continuous_api import Continuou
 from transformers.generation.continuous_batching.model_runner import infer_max_single_request_tokens
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestState, RequestStatus
 
-from ..batch import Row
-from ..config import WorkerConfig, check_in_flight
+from ..base.batch import Row
+from ..base.config import WorkerConfig, check_in_flight
+from ..base.params import SamplingParams
 from ..moe import Routing, find_routers
-from ..params import SamplingParams
-from . import memory  # noqa: F401  (patches upstream's memory plan for rollout_paged)
+from . import cuda, memory, sizing, switch  # noqa: F401  (memory: patches upstream's memory plan for rollout_paged)
 from .blocktable import RolloutCache  # also keeps upstream's decode fast path on for rollout_paged
-from . import switch
 from .call import Call, Sample
 from .counters import Counters, kv_pages
 from .ledger import Entry, Ledger, split_tops
-from . import cuda, sizing
 from .manager import RolloutManager
 from .preemption import RolloutOffloading
 from .recorder import RoutingHole, RoutingRecorder
 from .router import RolloutRouter
 from .runner import RolloutIOs, RolloutModelRunner, RowSlotArgs, TopReader
 from .sampler import RowSpec
-from .slots import SlotTable
-from .streams import stream_key
 from .scheduler import CHILD_SEPARATOR, SCHEDULER_NAME
+from .slots import SlotTable
 from .stepper import Stepper
+from .streams import stream_key
 from .trace import TurnTrace
 
 # The first word of a random stream's key (streams.py): seeded and unseeded samples never share a stream. A stream's

@@ -1,4 +1,4 @@
-"""Counters: what the engine counts as it runs, read by `RolloutWorker.metrics()` (rollout/metrics.py names them).
+"""Counters: what the engine counts as it runs, read by `RolloutWorker.metrics()` (rollout/metrics/snapshot.py names them).
 
 One `Counters` per Engine, kept across engine restarts and sleeps (the manager is rebuilt, this object is not), so
 every count only grows. Each update is a few integer operations on a path that already runs once per step, per

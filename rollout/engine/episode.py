@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..batch import Row
-from ..env import EnvFactory, Turn
+from ..base.batch import Row
+from ..base.env import EnvFactory, Turn
 from .ledger import Top, split_tops
 
 NO_TOP: Top = ([], [])  # an observation token's top list (or a model token's that asked for none)

@@ -29,7 +29,7 @@ from transformers.generation.continuous_batching.requests import RequestStatus
 from transformers.generation.continuous_batching.utils import CudaGraphBuffer
 from transformers.generation.logits_process import LogitsProcessorList
 
-from ..params import MAX_TOP_LOGPROBS
+from ..base.params import MAX_TOP_LOGPROBS
 from .sampler import ALL, sample_rows
 from .slots import SlotTable
 

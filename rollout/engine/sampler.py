@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..params import MAX_TOP_LOGPROBS, SamplingParams
+from ..base.params import MAX_TOP_LOGPROBS, SamplingParams
 from .streams import uniforms
 
 

@@ -9,8 +9,8 @@ import torch
 from transformers.generation.continuous_batching.utils import attn_mask_is_needed
 from transformers.utils.generic import is_flash_attention_requested
 
-from ..config import WorkerConfig
-from ..errors import invalid
+from ..base.config import WorkerConfig
+from ..base.errors import invalid
 from .attention import NAME
 
 MIN_BLOCKS = 4

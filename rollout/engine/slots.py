@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from ..params import SamplingParams
+from ..base.params import SamplingParams
 from .sampler import NONE, Passes, RowSpec, SamplingRows
 
 KEY, TOP_K, TEMPERATURE, TOP_P = range(4)  # columns; TEMPERATURE and TOP_P hold float64 bit patterns

@@ -15,27 +15,27 @@ a separate concurrency group, so monitoring and restoring a peer never wait behi
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
-from concurrent.futures import CancelledError
 import os
 import signal
 import socket
 import threading
 import traceback
 import warnings
-from dataclasses import dataclass
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import CancelledError
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .. import adapters
-from ..config import WorkerConfig
-from ..env import EpisodeSpec
-from ..loading import checkpoint_dir, load_tokenizer, model_from_state_dict
-from ..metrics import WorkerMetrics
+from ..base.config import WorkerConfig
+from ..base.env import EpisodeSpec
+from ..metrics.snapshot import WorkerMetrics
+from ..model import adapters
+from ..model.loading import checkpoint_dir, load_tokenizer, model_from_state_dict
 from ..moe import Routing, find_routers
-from ..worker import RolloutWorker
+from ..worker.worker import RolloutWorker
 
 
 @dataclass(frozen=True)
@@ -255,7 +255,7 @@ _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int6
 
 
 def _model(source: Any) -> Any:
-    """A checkpoint path goes to the worker as is (rollout.loading loads it); an in-memory model is rebuilt from its
+    """A checkpoint path goes to the worker as is (rollout.model.loading loads it); an in-memory model is rebuilt from its
     config and weights, told their dtype: the actor must hold the very weights of the model it copies."""
     if not isinstance(source, InMemoryModel):
         return source

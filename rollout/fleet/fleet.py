@@ -17,7 +17,7 @@ Contract:
   default, a torch.distributed group after init_weight_group, which actors apply bucket by bucket); every actor
   applies them under its fence and the update's in_flight mode; versions are compared before it returns, and
   fingerprints too (every update, or every `verify_every`-th: each costs every actor a checksum of its weights on its
-  device, rollout.weights.fingerprint).
+  device, rollout.model.weights.fingerprint).
 """
 
 from __future__ import annotations
@@ -40,22 +40,21 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("RolloutFleet needs Ray. Fix: pip install 'rollout[ray]'.") from exc
 
+from ..base.batch import RolloutBatch
+from ..base.config import WorkerConfig, check_in_flight
+from ..base.env import EnvFactory, EpisodeSpec
+from ..base.errors import check_int, invalid
+from ..metrics.snapshot import FleetMetrics
+from ..model.loading import pad_token_id
+from ..model.weights import check_version, plan_update, resolve_names
+from ..moe import Routing
+from ..worker.validation import prepare_call
 from .actor import FleetActor, InMemoryModel, model_source, with_adapters
-from ..batch import RolloutBatch
-from ..config import WorkerConfig
 from .dispatch import Dispatcher
 from .future import FleetFuture, Groups
 from .meter import FleetMeter
-from ..config import check_in_flight
-from ..env import EnvFactory, EpisodeSpec
-from ..errors import check_int, invalid
-from ..loading import pad_token_id
-from ..metrics import FleetMetrics
-from ..moe import Routing
-from ..prompts import prepare_call
 from .resources import FleetResources
 from .transport import Collective, ObjectStore, TransportFailed, WeightTransport
-from ..weights import check_version, plan_update, resolve_names
 
 POLL_S = 0.1  # how often a call waiting for actors checks for cancellation
 MAX_CALLS = 16  # submitted calls running at once (more wait); each actor runs that many generates side by side
@@ -277,7 +276,7 @@ class RolloutFleet:
             self._transport = Collective(_Pool(self), backend, timeout_s)
 
     def weights_fingerprint(self) -> str:
-        """The fingerprint every actor reports (they must agree; see rollout.weights.fingerprint)."""
+        """The fingerprint every actor reports (they must agree; see rollout.model.weights.fingerprint)."""
         with self._lock:
             self._settle()
             return self._fingerprint
@@ -307,7 +306,7 @@ class RolloutFleet:
         """Serve `metrics()` for Prometheus on http://host:port/metrics until the fleet closes: the totals under the
         worker's names, the fleet's own as `rollout_fleet_*`, each actor's as `rollout_actor_*{actor="<slot>"}`. As
         RolloutWorker.serve_metrics: this machine only unless `host` says otherwise; one endpoint per fleet."""
-        from ..prometheus import serve
+        from ..metrics.prometheus import serve
 
         with self._lock:
             self._metrics_server = serve(self._metrics_server, self.metrics, port, host, "fleet")

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 
-from ..batch import RolloutBatch
+from ..base.batch import RolloutBatch
 
 
 class Groups:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 
-from ..metrics import FleetMetrics, WorkerMetrics, fleet_total
+from ..metrics.snapshot import FleetMetrics, WorkerMetrics, fleet_total
 
 
 class FleetMeter:

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from ..errors import check_int, invalid, preview
-from ..loading import load_model
+from ..base.errors import check_int, invalid, preview
+from ..model.loading import load_model
 from ..moe import Router, Routing, capture_routing, find_routers, routing_dtype
 from .packing import Pack, Pair, batches, block_causal_mask, build_pack
 

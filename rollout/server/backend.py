@@ -23,9 +23,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..batch import RolloutBatch
-from ..loading import pad_token_id
-from ..params import SamplingParams
+from ..base.batch import RolloutBatch
+from ..base.params import SamplingParams
+from ..model.loading import pad_token_id
 
 # prompt index, sample index, ids, logprobs, versions, top lists (None unless asked): a streamed row so far
 Progress = tuple[int, int, list[int], list[float], list[int], list | None]

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..params import MAX_TOP_LOGPROBS
+from ..base.params import MAX_TOP_LOGPROBS
 from .errors import bad_request
 
 # Sampling controls other servers take that this engine cannot apply per request: accepted only at these values.

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ..loading import pad_token_id
+from ..model.loading import pad_token_id
 from .backend import backend_for
 from .chat import ChatFormat
 from .episodes import EpisodeBatch, EpisodeRecorder

@@ -20,7 +20,7 @@ from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from typing import Any
 
-from ..params import SamplingParams
+from ..base.params import SamplingParams
 from .backend import Generation
 from .chat import ChatFormat, normalize, same_message
 from .choices import Choice, Detokenizer, Diverged, StreamedChoice, choice_of

@@ -55,13 +55,13 @@ from typing import Any
 
 import torch
 
-from .batch import RolloutBatch, rewards_tensor
-from .env import EnvFactory, EpisodeSpec
-from .errors import check_int, invalid, preview
-from .loading import pad_token_id
-from .params import SamplingParams
-from .prompt_source import PromptGroup, PromptSource
-from .rollouts import Rollouts
+from ..base.batch import RolloutBatch, rewards_tensor
+from ..base.env import EnvFactory, EpisodeSpec
+from ..base.errors import check_int, invalid, preview
+from ..base.params import SamplingParams
+from ..base.rollouts import Rollouts
+from ..model.loading import pad_token_id
+from .source import PromptGroup, PromptSource
 
 
 class PromptsExhausted(Exception):

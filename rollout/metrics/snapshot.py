@@ -6,7 +6,7 @@
     fleet.metrics()                       # FleetMetrics: .total (every actor, replaced ones included), .actors
 
 `METRICS` and `FLEET_METRICS` are the one list of names, kinds, units and meanings: the snapshot's fields, the
-Prometheus exposition (rollout/prometheus.py: `rollout_<name>`, counters with `_total`), the trackers' keys
+Prometheus exposition (rollout/metrics/prometheus.py: `rollout_<name>`, counters with `_total`), the trackers' keys
 (`rollout/<name>`) and docs/observability.md all follow it (tests/test_metrics.py checks they agree).
 
 Counters only grow for the life of a worker, across engine restarts and sleeps; a fleet's totals keep what replaced

@@ -25,7 +25,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .moe import Router, Routing, find_routers, gate_weights
+from ..base.routing import Routing
+from .routers import Router, find_routers, gate_weights
 
 
 @contextlib.contextmanager

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import invalid, preview
-from .params import SamplingParams
+from ..base.errors import invalid, preview
+from ..base.params import SamplingParams
 
 
 def to_token_lists(prompts: Sequence[Any], tokenizer: Any, chat_template: bool) -> list[list[int]]:

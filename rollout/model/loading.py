@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .errors import invalid
+from ..base.errors import invalid
 
 LOADING_ATTENTION = "sdpa"
 

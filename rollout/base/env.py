@@ -11,7 +11,7 @@ Unless the Turn says `done` (or the episode is out of turns or tokens), its obse
 model's next turn is generated from the whole history; or, when the Turn carries `context_ids` (the whole chat
 rendered again, e.g. by a template that drops earlier reasoning), from exactly those tokens: the episode then has
 several segments, one batch row each. Token ids in, token ids out: the model's own tokens are never re-tokenized.
-This module knows nothing about tokenizers (see rollout.tools for a chat-level environment).
+This module knows nothing about tokenizers (see rollout.envs.tools for a chat-level environment).
 """
 
 from __future__ import annotations

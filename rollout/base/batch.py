@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .moe import Routing
+from .routing import Routing
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@
     worker.refresh()                           # shared model: fence, cache invalidation, version bump
     worker.update_weights(state_dict)          # own copy: atomic, validated, in-place copy
     worker.sleep(); ...train...; worker.wake() # colocated with a trainer: the KV cache is freed while it trains
-    worker.metrics()                           # counters and gauges (rollout/metrics.py); docs/observability.md
+    worker.metrics()                           # counters and gauges (rollout/metrics/snapshot.py); docs/observability.md
     worker.serve_metrics(9400)                 # the same, for Prometheus, on http://127.0.0.1:9400/metrics
 
 One persistent engine per worker (started once; rebuilt when it wakes from `sleep`). A shared model is used in
@@ -25,19 +25,19 @@ from typing import Any
 
 import torch
 
-from .batch import RolloutBatch
-from .config import WorkerConfig
-from .engine import (Call, Engine, Episode, Sample, current_attn_implementation, resolve_attn_implementation,
-                     set_attn_implementation)
-from .loading import load_model, loading_attention, pad_token_id
-from .metrics import WorkerMetrics
-from .prompts import prepare_call
-from .config import check_in_flight
-from .env import EnvFactory, EpisodeSpec
-from .errors import invalid
+from ..base.batch import RolloutBatch
+from ..base.config import WorkerConfig, check_in_flight
+from ..base.env import EnvFactory, EpisodeSpec
+from ..base.errors import invalid
+from ..base.params import SamplingParams
+from ..engine import (Call, Engine, Episode, Sample, current_attn_implementation, resolve_attn_implementation,
+                      set_attn_implementation)
+from ..metrics.snapshot import WorkerMetrics
+from ..model import adapters
+from ..model import weights as weights_mod
+from ..model.loading import load_model, loading_attention, pad_token_id
 from .future import RolloutFuture
-from .params import SamplingParams
-from . import adapters, weights as weights_mod
+from .validation import prepare_call
 
 # on_tokens(prompt_index, sample_index, token_ids, logprobs, token_versions, top): top is None, or per token the
 # (ids, logprobs) of its SamplingParams.top_logprobs most likely tokens
@@ -323,7 +323,7 @@ class RolloutWorker:
     # ------------------------------------------------------------------ scoring
     def score(self, prompts, completions, temperature: float = 1.0, **kwargs) -> list[torch.Tensor]:
         """Teacher-forced logprobs of stored completions with this worker's model (see rollout.scoring)."""
-        from .scoring import score
+        from ..scoring import score
 
         with self.engine.exclusive("wait", invalidate=False):
             return score(self.model, prompts, completions, temperature=temperature, tokenizer=self.tokenizer,
@@ -348,14 +348,14 @@ class RolloutWorker:
     def metrics(self) -> WorkerMetrics:
         """A snapshot of what this worker has done since it started (counters: tokens, rows by finish reason,
         preemptions, restarts, weight updates, ...) and holds now (gauges: requests, KV pages, version); names,
-        units and meanings in rollout/metrics.py and docs/observability.md."""
+        units and meanings in rollout/metrics/snapshot.py and docs/observability.md."""
         return WorkerMetrics.of(*self.engine.metrics())
 
     def serve_metrics(self, port: int, host: str = "127.0.0.1"):
         """Serve `metrics()` for Prometheus on http://host:port/metrics until the worker closes (or the returned
         `MetricsServer` is closed). Listens on this machine only unless `host` says otherwise (e.g. "0.0.0.0").
         One endpoint per worker: a second call is refused while the first serves. `port=0` picks a free port."""
-        from .prometheus import serve
+        from ..metrics.prometheus import serve
 
         with self._lock:
             self._metrics_server = serve(self._metrics_server, self.metrics, port, host, "worker")

@@ -29,8 +29,8 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from .env import Turn
-from .errors import check_int, invalid
+from ..base.env import Turn
+from ..base.errors import check_int, invalid
 
 Message = dict[str, Any]
 

@@ -1,4 +1,5 @@
-"""Mixture-of-experts routing: finding a model's routers, and the routing a rollout records for the trainer.
+"""Mixture-of-experts routers: finding a model's routers and proving their form (the routing a rollout records is
+`rollout.base.routing.Routing`).
 
 transformers' MoE models (Qwen2/3-MoE, OLMoE, Mixtral, gpt-oss, MiniMax, FlexOlmo, ...) route with one module per MoE
 layer whose forward takes the layer's hidden states `(tokens, hidden)` and returns `(router_logits, scores, indices)`:
@@ -8,16 +9,18 @@ over them or not (`normalize`). `find_routers` finds these modules and proves ea
 a probe input (the recorder and `replay_routing` rely on it); anything else is refused with an error naming the model
 class and the module, never recorded or replayed approximately.
 
-May import torch only (a leaf module: the engine, the worker, scoring and the trainers use it).
+May import torch and rollout.base (the engine, the worker, scoring and the trainers use it).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+from ..base.routing import routing_dtype
 
 # path components wrappers insert between a model and its modules (DDP, FSDP, activation checkpointing, compile)
 WRAPPER_PARTS = frozenset({"module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
@@ -40,11 +43,6 @@ def layer_name(name: str) -> str:
     """A module path without the components wrappers add (DDP `module.`, FSDP, PEFT's `base_model.model.`)."""
     name = ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
     return name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else name
-
-
-def routing_dtype(num_experts: int) -> torch.dtype:
-    """uint8 up to 256 experts, int16 beyond."""
-    return torch.uint8 if num_experts <= 256 else torch.int16
 
 
 def gate_weights(router_logits: torch.Tensor, indices: torch.Tensor, normalize: bool) -> torch.Tensor:
@@ -157,64 +155,3 @@ def capture_routing(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
     finally:
         for handle in handles:
             handle.remove()
-
-
-@dataclass(frozen=True)
-class Routing:
-    """The experts each row's positions were routed to, as the rollout engine computed them.
-
-    layers: the MoE routers' module names (wrapper prefixes removed), one per recorded layer, in model order.
-    rows: one tensor per row, (positions, len(layers), top_k) of `routing_dtype(num_experts)` (uint8 up to 256
-        experts): positions 0 .. len(prompt) + len(completion) - 2, every token the engine fed (the last completion
-        token is never fed: its experts change no logprob of the row).
-    """
-
-    layers: tuple[str, ...]
-    num_experts: int
-    top_k: int
-    rows: tuple[torch.Tensor, ...]
-
-    def __post_init__(self) -> None:
-        shape = (len(self.layers), self.top_k)
-        for i, row in enumerate(self.rows):
-            if row.dim() != 3 or tuple(row.shape[1:]) != shape or row.dtype != routing_dtype(self.num_experts):
-                raise ValueError(f"routing row {i} has shape {tuple(row.shape)} and dtype {row.dtype}: must be "
-                                 f"(positions, {shape[0]}, {shape[1]}) of {routing_dtype(self.num_experts)}.")
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __reduce__(self):
-        # pickled (the fleet's transport) with each row as a numpy array: ~40 bytes of framing per row, where a
-        # pickled tensor takes ~300 (more than a 100-token row's 4-byte-per-token experts)
-        return _unpickle_routing, (self.layers, self.num_experts, self.top_k, tuple(row.numpy() for row in self.rows))
-
-    def select(self, rows: Sequence[int] | slice) -> "Routing":
-        picked = self.rows[rows] if isinstance(rows, slice) else tuple(self.rows[i] for i in rows)
-        return Routing(self.layers, self.num_experts, self.top_k, tuple(picked))
-
-    @property
-    def bytes_per_token(self) -> int:
-        return len(self.layers) * self.top_k * torch.empty((), dtype=routing_dtype(self.num_experts)).element_size()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(row.numel() * row.element_size() for row in self.rows)
-
-    def same_layout(self, other: "Routing") -> bool:
-        return (self.layers, self.num_experts, self.top_k) == (other.layers, other.num_experts, other.top_k)
-
-    @staticmethod
-    def concat(parts: Sequence["Routing"]) -> "Routing":
-        """Rows of several recordings of the same model, in order. ValueError if their layouts differ."""
-        first = parts[0]
-        for part in parts[1:]:
-            if not first.same_layout(part):
-                raise ValueError(f"routing of different models cannot be merged: {len(first.layers)} layers x "
-                                 f"{first.num_experts} experts (top-{first.top_k}) vs {len(part.layers)} x "
-                                 f"{part.num_experts} (top-{part.top_k}).")
-        return Routing(first.layers, first.num_experts, first.top_k, tuple(r for p in parts for r in p.rows))
-
-
-def _unpickle_routing(layers: tuple[str, ...], num_experts: int, top_k: int, rows: tuple) -> Routing:
-    return Routing(layers, num_experts, top_k, tuple(torch.tensor(row) for row in rows))

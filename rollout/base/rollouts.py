@@ -8,7 +8,7 @@ and a trainer checks for it (`worker.model is policy`) before calling it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -16,6 +16,35 @@ import torch
 from .batch import RolloutBatch
 from .env import EnvFactory
 from .params import SamplingParams
+
+
+@runtime_checkable
+class RolloutsFuture(Protocol):
+    """A submitted call (`Rollouts.submit`), as concurrent.futures users expect it: RolloutFuture (a worker's) and
+    FleetFuture (a fleet's) both keep it."""
+
+    def done(self) -> bool:
+        """The call is over: its result, its error or its cancellation is final."""
+
+    def cancelled(self) -> bool:
+        """`cancel()` stopped it before it was over."""
+
+    def result(self, timeout: float | None = None) -> RolloutBatch:
+        """The whole batch; TimeoutError after `timeout` (the call goes on), CancelledError after a cancel,
+        RuntimeError when a sample failed past the retries."""
+
+    def as_completed(self, timeout: float | None = None) -> Iterator[RolloutBatch]:
+        """Each prompt's group (its n rows) as a RolloutBatch, in the order the groups finish."""
+
+    def cancel(self) -> bool:
+        """Stop what is left of the call; True if it was not over yet."""
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        """fn(future) once the call is over (at once if it already is), on a thread of the rollout side."""
+
+    @property
+    def discarded_tokens(self) -> int:
+        """Model tokens sampled for groups a cancel threw away (0 until cancelled)."""
 
 
 @runtime_checkable
@@ -46,7 +75,7 @@ class Rollouts(Protocol):
         to calls in flight: "wait", "abort", "recompute" or "keep"."""
 
     def weights_fingerprint(self) -> str:
-        """A short hash of the weights held, equal to `rollout.weights.fingerprint` of the same weights."""
+        """A short hash of the weights held, equal to `rollout.model.weights.fingerprint` of the same weights."""
 
     def score(self, prompts: Sequence[Any], completions: Sequence[Any], temperature: Any = 1.0,
               **kwargs: Any) -> list[torch.Tensor]:
@@ -57,7 +86,7 @@ class Rollouts(Protocol):
         totals); names, units and meanings in docs/observability.md."""
 
     def serve_metrics(self, port: int, host: str = "127.0.0.1") -> Any:
-        """Serve `metrics()` for Prometheus on http://host:port/metrics (rollout.prometheus.MetricsServer)."""
+        """Serve `metrics()` for Prometheus on http://host:port/metrics (rollout.metrics.prometheus.MetricsServer)."""
 
     def close(self) -> None:
         """Stop the engine(s); the object is unusable afterwards."""

@@ -5,7 +5,7 @@ full update is asked) before anything is touched; `apply_update` then copies in 
 tensor addresses (CUDA graphs, optimizer references, tied weights) stay valid. Names are those of
 `model.state_dict()`; tied parameters appear under each of their names and are written once. A model carrying PEFT
 adapters also takes its adapter's tensors under PEFT's own names (`get_peft_model_state_dict`, see
-rollout.adapters), so an adapter-only update is just the adapter's state dict. `fingerprint` hashes every tensor where
+rollout.model.adapters), so an adapter-only update is just the adapter's state dict. `fingerprint` hashes every tensor where
 it lives (a checksum per tensor on the device, sha256 over those on the host); a worker's `DigestCache` keeps the
 per-tensor checksums between calls and recomputes only those of tensors written since.
 """
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..base.errors import check_int
+from ..engine.streams import spread
 from . import adapters
-from .errors import check_int
-from .engine.streams import spread
 
 
 @dataclass(frozen=True)

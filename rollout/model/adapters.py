@@ -6,7 +6,7 @@ frozen base layer. Two things are specific to it:
 - **Names.** `peft.get_peft_model_state_dict(model)` writes adapter tensors without the adapter name
   (`...q_proj.lora_A.weight` for the state-dict entry `...q_proj.lora_A.default.weight`). `peft_names(model)` maps
   those names to the model's own, with PEFT's function itself (matched by tensor identity, so every PEFT method
-  and its key rules are covered), for the active adapter; `rollout.weights` accepts both spellings.
+  and its key rules are covered), for the active adapter; `rollout.model.weights` accepts both spellings.
 - **Merging.** `merged(model)` folds the active adapters into the base weights for the duration of a block (PEFT's
   own `merge()`, so the forward skips the low-rank branches) and then puts every base tensor back *bit for bit*:
   `unmerge()` alone subtracts the delta again, which is not exact in floating point, so the original bytes are

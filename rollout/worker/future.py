@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError
 
-from .batch import RolloutBatch, Row
-from .engine import Call
+from ..base.batch import RolloutBatch, Row
+from ..engine import Call
 
 
 class RolloutFuture:

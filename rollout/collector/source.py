@@ -8,9 +8,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .batch import RolloutBatch
-from .errors import invalid, preview
-from .params import SamplingParams
+from ..base.batch import RolloutBatch
+from ..base.errors import invalid, preview
+from ..base.params import SamplingParams
 
 
 @dataclass(eq=False)

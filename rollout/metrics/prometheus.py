@@ -5,7 +5,7 @@
 
 Every scrape takes one fresh snapshot (`worker.metrics()` / `fleet.metrics()`) and renders it through a collector in
 a registry of its own (never the process-global one, so several workers in one process each serve their own). Names
-are `rollout_<name>` for every metric of rollout/metrics.py (counters end in `_total`), labelled by finish_reason or
+are `rollout_<name>` for every metric of rollout/metrics/snapshot.py (counters end in `_total`), labelled by finish_reason or
 in_flight where the metric has such a label. A fleet's endpoint serves its totals under the same names (a dashboard
 for one worker works for a fleet), its own figures as `rollout_fleet_<name>`, and each live actor's as
 `rollout_actor_<name>{actor="<slot>"}` (separate names, so summing a total never counts an actor twice).
@@ -21,9 +21,9 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from .errors import check_int, invalid
-from .metrics import (COUNTER, FLEET_METRICS, GAUGE, HISTOGRAM, METRICS, VERSIONS_BEHIND_BUCKETS, FleetMetrics,
-                      Histogram, Metric, WorkerMetrics)
+from ..base.errors import check_int, invalid
+from .snapshot import (COUNTER, FLEET_METRICS, GAUGE, HISTOGRAM, METRICS, VERSIONS_BEHIND_BUCKETS, FleetMetrics,
+                       Histogram, Metric, WorkerMetrics)
 
 PREFIX = "rollout_"
 Snapshot = Callable[[], "WorkerMetrics | FleetMetrics"]
