@@ -23,6 +23,10 @@ routing of the KV its later tokens attend to. A request that keeps its old-weigh
 that built it.
 A hole that no source covers (its pages were dropped from the index but the KV was still cached) fails that request,
 which the engine re-runs; it never comes back with a hole.
+
+The hooks sit on the trainer's own modules, so a trainer's habits must survive them: a `copy.deepcopy` of the model
+(a reference model) or a `torch.save(model)` made while the recorder is attached carries an inert hook in their place
+(`ModelHook`), never the recorder with its lock and buffers; the copy computes exactly as the model does.
 """
 
 from __future__ import annotations
@@ -38,6 +42,33 @@ from .scheduler import CHILD_SEPARATOR
 
 class RoutingHole(RuntimeError):
     pass
+
+
+def inert_hook(*args) -> None:
+    """What a copied or unpickled model has where the recorder's hooks were: returns None, so it changes nothing."""
+
+
+class ModelHook:
+    """A recorder hook on a module of the trainer's model. Copies and pickles of the model get `inert_hook` instead
+    (the recorder holds a lock, tensors of other requests and references to the engine's cache)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    def __deepcopy__(self, memo):
+        return inert_hook
+
+    def __reduce__(self):
+        return _inert, ()
+
+
+def _inert():
+    return inert_hook
 
 
 class Buffer:
@@ -121,9 +152,9 @@ class RoutingRecorder:
         self.ios = None  # the step's inputs and outputs (requests_in_batch, in the forward's order)
         self._thread: int | None = None  # the thread running the engine's forward, while it runs
         self._step: list[torch.Tensor | None] = [None] * len(routers)
-        self._handles = [r.module.register_forward_hook(self._capture(i)) for i, r in enumerate(routers)]
-        self._handles.append(model.register_forward_pre_hook(self._begin, with_kwargs=True))
-        self._handles.append(model.register_forward_hook(self._end, with_kwargs=True))
+        self._handles = [r.module.register_forward_hook(ModelHook(self._capture(i))) for i, r in enumerate(routers)]
+        self._handles.append(model.register_forward_pre_hook(ModelHook(self._begin), with_kwargs=True))
+        self._handles.append(model.register_forward_hook(ModelHook(self._end), with_kwargs=True))
 
     def attach(self, cache, ios) -> None:
         self.cache, self.ios = cache, ios
