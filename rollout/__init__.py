@@ -17,8 +17,8 @@ from .base.rollouts import Rollouts, RolloutsFuture
 __version__ = "0.1.0"
 __all__ = ["Environment", "EpisodeSpec", "FleetResources", "InvalidArgument", "PromptsExhausted", "RolloutBatch",
            "RolloutCollector", "RolloutFleet", "RolloutWorker", "Rollouts", "RolloutsFuture", "SamplingParams",
-           "ToolEnvironment", "Turn", "WorkerConfig", "adapters", "fingerprint", "nonzero_std", "pad_token_id", "replay_routing",
-           "score", "serve"]
+           "ToolEnvironment", "Turn", "WorkerConfig", "adapters", "fingerprint", "nonzero_std", "pad_token_id",
+           "replay_routing", "score", "serve"]
 
 # heavy imports (transformers, Ray, fastapi) only when used: `rollout --help` stays instant
 _LAZY = {"RolloutWorker": "worker", "RolloutFleet": "fleet", "FleetResources": "fleet",

@@ -5,6 +5,7 @@ object-store and gloo broadcasts, an actor killed mid-generate, a hung actor and
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 import time
 
@@ -372,7 +373,8 @@ def test_segment_rows_come_back_from_the_actors_with_their_own_prompts(fleet, lo
         assert torch.allclose(batch.logprobs[r, :n], full, atol=TOL)
 
 
-def test_an_actor_killed_mid_generate_loses_no_row_and_comes_back_on_current_weights(fleet, local):
+def test_an_actor_killed_mid_generate_loses_no_row_and_comes_back_on_current_weights(fleet, local, caplog):
+    caplog.set_level(logging.WARNING, logger="rollout")
     victim, killed = fleet.actors[0], threading.Event()
     before = fleet.metrics()
 
@@ -392,6 +394,8 @@ def test_an_actor_killed_mid_generate_loses_no_row_and_comes_back_on_current_wei
     killed.set()
     killer.join()
     assert fleet.actors[0] is not victim  # it died holding work, and was replaced
+    replaced = [r for r in caplog.records if r.name == "rollout" and "replacing actor 0" in r.getMessage()]
+    assert len(replaced) == 1 and "died" in replaced[0].getMessage()  # logged, with the fatal error
     assert batch.policy_version.tolist() == [7] * len(batch)
     assert_exact(local, batch, prompts, params)
     # the replacement replayed the retained update: it holds version 7 and the same weights before taking work

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 from types import SimpleNamespace
@@ -18,6 +19,7 @@ from trainers_integration import losses
 from trainers_integration.forward import completion_logprobs, pack
 from trainers_integration.grpo import GRPOConfig, GRPOTrainer
 from trainers_integration.ppo import PPOConfig, PPOTrainer
+from trainers_integration.rollouts import behaviour_logprobs
 from trainers_integration.value import CriticModel, ValueHead
 
 GAP = 1e-4
@@ -209,6 +211,24 @@ def test_grpo_steps_through_a_shared_worker_have_zero_logprob_gap(tiny, loss_nor
     assert history[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # step 1 samples from the reference itself
     assert history[-1]["kl"] > 0
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_trainers_sampling_is_untruncated_so_both_logprobs_are_the_behaviour_policy(tiny, temperature):
+    """GRPO and PPO both take `behaviour_logprobs` (batch.logprobs): with their sampling (no top-k / top-p) it is the
+    distribution actually sampled, bit for bit."""
+    model, tok = tiny
+    sampling = GRPOConfig(num_generations=4, max_new_tokens=12, temperature=temperature).sampling()
+    with RolloutWorker(model, WorkerConfig(), tokenizer=tok) as worker:
+        batch = worker.generate(ids(tok), sampling)
+    assert torch.equal(batch.sampling_logprobs, batch.logprobs)
+    assert bool(batch.logprobs[batch.completion_mask].lt(0).all())
+    assert behaviour_logprobs(batch) is batch.logprobs
+    truncated = dataclasses.replace(sampling, top_k=5)  # where they differ, sampling_logprobs is what was sampled
+    with RolloutWorker(model, WorkerConfig(), tokenizer=tok) as worker:
+        other = worker.generate(ids(tok), truncated)
+    assert bool((other.sampling_logprobs >= other.logprobs)[other.completion_mask].all())
+    assert not torch.equal(other.sampling_logprobs, other.logprobs)
 
 
 def test_grpo_with_truncated_is_and_micro_batches_stays_exact(tiny):

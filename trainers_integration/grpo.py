@@ -11,8 +11,8 @@ Contract of one step:
    episode that its environment restarted from a new context has several rows (segments): one reward per episode
    (equal on its rows), one advantage per episode on every row, and the loss weighs the episode once.
 3. `num_epochs` passes over the batch, one optimizer step each. The behaviour policy of the clipped ratio is the
-   rollout's own per-token `sampling_logprobs` (here equal to its full-vocabulary log_softmax(logits / T), what this
-   trainer's forward recomputes: no top-k / top-p), or, with `tis_cap`, the trainer's logprobs at the start of the
+   rollout's own per-token logprobs (`rollouts.behaviour_logprobs`: the full-vocabulary log_softmax(logits / T), what
+   this trainer's forward recomputes; PPO uses the same), or, with `tis_cap`, the trainer's logprobs at the start of the
    step (the proximal policy) with a truncated importance weight min(pi_proximal / pi_behaviour, tis_cap) per token,
    for rollouts from stale (asynchronous) or numerically different weights.
 4. The rollout side gets the new weights: `refresh()` for a worker sharing the policy, `update_weights` otherwise
@@ -42,7 +42,7 @@ from . import losses
 from .config import RolloutTrainerConfig
 from .forward import completion_logprobs, pack, replayed
 from .loop import RolloutLoop
-from .rollouts import logprob_gap, pad_token_id
+from .rollouts import behaviour_logprobs, logprob_gap, pad_token_id
 from .tracking import offpolicy_split
 
 RewardFn = Callable[[RolloutBatch], Any]
@@ -135,7 +135,7 @@ class GRPOTrainer(RolloutLoop):
         mask = batch.action_mask.to(device)  # the model's own tokens: episodes' observations are not trained on
         weights = losses.row_weights(mask, cfg.loss_norm, batch.episode_index)  # an episode weighs the same, in
         # however many rows
-        rollout_lp = batch.sampling_logprobs.to(device)  # the behaviour policy, per token (== logprobs: no top-k/p)
+        rollout_lp = behaviour_logprobs(batch).to(device)
         advantages = advantages.to(device)
         ref = ref.to(device) if ref is not None else None
         old_lp = torch.zeros_like(rollout_lp)  # the trainer's logprobs at the start of the step (epoch 0)

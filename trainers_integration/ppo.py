@@ -13,8 +13,8 @@ Contract of one step:
    rewards (reward_fn None), each turn's reward on that turn's last model token (`batch.turn_rewards`); advantages
    and returns by GAE over each episode's rows in order (its segments: `losses.gae_over_episodes`), advantages
    whitened over the batch.
-3. `num_epochs` optimizer steps over the batch: clipped ratio against the rollout's `logprobs` (the behaviour
-   policy) plus `vf_coef` times the clipped value loss.
+3. `num_epochs` optimizer steps over the batch: clipped ratio against the rollout's logprobs (the behaviour
+   policy, `rollouts.behaviour_logprobs`, as GRPO) plus `vf_coef` times the clipped value loss.
 4. The rollout side gets the new policy weights (`refresh()` in place, else `update_weights`); the value model
    never leaves the trainer.
 
@@ -36,7 +36,7 @@ from .config import RolloutTrainerConfig
 from .forward import Packed, completion_logprobs, pack, replayed
 from .loop import RolloutLoop
 from .grpo import RewardFn, clip_grad_norm
-from .rollouts import logprob_gap, pad_token_id
+from .rollouts import behaviour_logprobs, logprob_gap, pad_token_id
 from .tracking import offpolicy_split
 from .value import ValueHead
 
@@ -105,7 +105,7 @@ class PPOTrainer(RolloutLoop):
     def _update(self, batch: RolloutBatch, scores: torch.Tensor, ref: torch.Tensor | None) -> dict[str, float]:
         cfg, device = self.config, self.device
         mask = batch.action_mask.to(device)  # the model's own tokens: episodes' observations are not trained on
-        rollout_lp = batch.logprobs.to(device)
+        rollout_lp = behaviour_logprobs(batch).to(device)
         ref = ref.to(device) if ref is not None else None
         num_tokens, num_rows = int(mask.sum()), len(batch)
         size = cfg.micro_batch_size or num_rows

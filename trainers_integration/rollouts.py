@@ -108,6 +108,15 @@ def episode_rewards(rewards: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
     return per_episode
 
 
+def behaviour_logprobs(batch: RolloutBatch) -> torch.Tensor:
+    """The behaviour policy's per-token logprobs for GRPO's and PPO's clipped ratio (and PPO's KL-shaped rewards):
+    `batch.logprobs`, the full-vocabulary log_softmax(logits / T) that the trainer's own forward recomputes. Both
+    trainers sample untruncated (their configs have no top_k / top_p), so this is also the distribution actually
+    sampled: `batch.sampling_logprobs` holds the same numbers, bit for bit (tests/test_trainers.py checks it). With
+    top-k / top-p rows (the TRL adapter passes TRL's), the two differ and `sampling_logprobs` is the one sampled."""
+    return batch.logprobs
+
+
 def logprob_gap(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
                 mask: torch.Tensor) -> tuple[float, float]:
     """(max, mean) |trainer logprob - rollout logprob| over real tokens: ~0 when the rollout side holds exactly the

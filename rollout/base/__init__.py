@@ -15,6 +15,6 @@ from .params import SamplingParams
 from .rollouts import Rollouts, RolloutsFuture
 from .routing import Routing
 
-__all__ = ["EnvFactory", "Environment", "EpisodeSpec", "InvalidArgument", "RolloutBatch", "Rollouts", "RolloutsFuture", "Routing", "Row",
-           "SamplingParams", "Turn", "WorkerConfig", "check_in_flight", "check_int", "invalid", "preview",
-           "rewards_tensor"]
+__all__ = ["EnvFactory", "Environment", "EpisodeSpec", "InvalidArgument", "RolloutBatch", "Rollouts",
+           "RolloutsFuture", "Routing", "Row", "SamplingParams", "Turn", "WorkerConfig", "check_in_flight", "check_int",
+           "invalid", "preview", "rewards_tensor"]

@@ -1,5 +1,6 @@
 """Routing: the experts each row's positions were routed to, as the rollout engine computed them (mixture-of-experts
-models with `WorkerConfig(record_routing=True)`); part of RolloutBatch. Finding routers and replaying routing: rollout.moe.
+models with `WorkerConfig(record_routing=True)`); part of RolloutBatch. Finding routers and replaying routing:
+rollout.moe.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -59,6 +60,8 @@ from .transport import Collective, ObjectStore, TransportFailed, WeightTransport
 POLL_S = 0.1  # how often a call waiting for actors checks for cancellation
 MAX_CALLS = 16  # submitted calls running at once (more wait); each actor runs that many generates side by side
 MAX_START_FAILURES = 3  # consecutive failed starts of one actor before the fleet gives up
+LOG = logging.getLogger("rollout")
+
 # Actor k's engine seed is the config's seed + ACTOR_SEED_STRIDE * k, where k = slot + num_workers * (restarts of that
 # slot): every actor ever started draws its unseeded rows from its own stream, and fleets whose config seeds differ by
 # less than the stride (0, 1, 2, ...) never share one. (7919 is the 1000th prime; any stride above the seeds in use
@@ -356,7 +359,7 @@ class RolloutFleet:
         try:
             with self._lock:
                 for slot in sorted(self._down):  # left down by an interrupted update
-                    self._replace(slot)
+                    self._replace(slot, "it was down after an interrupted update")
             while not plan.finished:
                 with self._lock:
                     for slot, chunk in plan.assign(self._ready()):
@@ -394,7 +397,7 @@ class RolloutFleet:
             got = ray.get(next(ref)) if streamed else ray.get(ref)
         except StopIteration:  # the chunk's stream ended: every job of it is back
             got = None
-        except ray.exceptions.RayActorError:
+        except ray.exceptions.RayActorError as error:
             for other in [r for r, (s, _, _) in inflight.items() if s == slot]:
                 inflight.pop(other)
             given_up = plan.fail(slot, done=results)
@@ -403,7 +406,7 @@ class RolloutFleet:
                                    "they probably kill it (out of memory?). Fix: shorten them or give actors more "
                                    "memory.") from None
             if self._actors[slot] is actor:  # not already replaced (an update that landed meanwhile replaces the dead)
-                self._replace(slot)
+                self._replace(slot, f"it died with {jobs_name} in flight: {error}")
             return
         if streamed and got is not None:  # one job's result, or the actor's metrics after its chunk; the stream goes on
             index, value = got
@@ -428,7 +431,7 @@ class RolloutFleet:
                  f"{len(jobs)} {names[0]} / {sum(units[j] for j in jobs)} {names[1]}" for slot, jobs in held.items()]
         parts += [f"actor {slot} still starting" for slot in self._starting]
         for slot in held:  # hung or too slow: replaced, so the next call does not queue behind it
-            self._replace(slot)
+            self._replace(slot, f"{what} timed out after {timeout}s with its jobs unfinished")
         raise TimeoutError(f"RolloutFleet.{what} timed out after {timeout}s with {sum(units[j] for j in results)}/"
                            f"{sum(units)} {names[1]} done; {'; '.join(parts)}. Those actors are being replaced.")
 
@@ -458,7 +461,7 @@ class RolloutFleet:
         if distinct:
             self._fingerprint = next(iter(distinct))[1]
         for slot in sorted(self._down):
-            self._replace(slot)
+            self._replace(slot, "it died (found at a weight update)")
         self._await_starts()
 
     # ------------------------------------------------------------------ actor lifecycle
@@ -481,10 +484,14 @@ class RolloutFleet:
     def _ready(self) -> set[int]:
         return set(range(len(self._actors))) - set(self._starting) - self._down
 
-    def _replace(self, slot: int) -> None:
-        """Kill the actor in `slot` (if any) and start a new one that syncs to the fleet's weights."""
+    def _replace(self, slot: int, why: str = "") -> None:
+        """Kill the actor in `slot` (if any; logged with `why` on the "rollout" logger) and start a new one that syncs
+        to the fleet's weights."""
         old = self._actors[slot]
         if old is not None:
+            info = self._info[slot]
+            LOG.warning("RolloutFleet: replacing actor %d (pid %s on %s; replacement %d of that slot): %s", slot,
+                        info.get("pid"), info.get("host"), self._restarts[slot] + 1, why or "asked to")
             with contextlib.suppress(Exception):
                 ray.kill(old, no_restart=True)
             self._restarts[slot] += 1
@@ -519,7 +526,7 @@ class RolloutFleet:
             if self._failures[slot] >= MAX_START_FAILURES:
                 raise RuntimeError(f"actor {slot} failed to start {self._failures[slot]} time(s) in a row; last "
                                    f"error: {exc}") from exc
-            self._replace(slot)
+            self._replace(slot, f"it failed to start: {exc}")
             return
         if state[0] != self.version or state[1] != (self._fingerprint or state[1]):
             raise RuntimeError(f"rollout bug: actor {slot} restored to {state}, fleet holds "
@@ -572,8 +579,8 @@ class _Pool:
     def on_ready(self, call: Callable) -> tuple[dict[int, Any], list[int]]:
         return self.fleet._on_ready(call)
 
-    def replace(self, slot: int) -> None:
-        self.fleet._replace(slot)
+    def replace(self, slot: int, why: str = "the weight transport lost it") -> None:
+        self.fleet._replace(slot, why)
 
     def await_starts(self) -> None:
         self.fleet._await_starts()
