@@ -63,6 +63,27 @@ def test_a_fraction_budget_stops_at_what_the_engine_can_hold_at_once_and_a_mib_b
         assert cache_blocks(worker) == 512 * 2**20 // (kv_bytes_per_token(model) * PAGE)  # taken as given
 
 
+def test_a_fraction_budget_stays_within_what_upstreams_memory_plan_accepts(tiny, monkeypatch):
+    """A host whose NUMA nodes report less memory than MemAvailable (seen: 9 GB of nodes on a 24 GB virtual machine):
+    upstream's plan counts the nodes, so a budget of a quarter of MemAvailable failed its footprint check with a
+    MemoryError and `RolloutWorker(model)` did not start."""
+    model, _ = tiny
+    from transformers.generation.continuous_batching import cache as upstream_cache
+
+    nodes = 256 * 2**20  # the memory the process's NUMA nodes report
+    breakdown = lambda: (torch.device("cpu"), nodes, 0, 0)  # noqa: E731  (device, total, reserved, allocated)
+    monkeypatch.setattr(sizing, "get_device_and_memory_breakdown", breakdown)
+    monkeypatch.setattr(upstream_cache, "get_device_and_memory_breakdown", breakdown)
+    monkeypatch.setattr(sizing, "free_memory", lambda device: 4 * nodes)  # MemAvailable: four times the nodes
+    layers = model.config.num_hidden_layers
+    with RolloutWorker(model, WorkerConfig(max_requests_per_batch=512)) as worker:
+        kv = cache_blocks(worker) * PAGE * kv_bytes_per_token(model)
+        assert kv <= sizing.PLAN_MARGIN * 0.6 * nodes * layers / (layers + 1)
+        assert kv >= 0.8 * sizing.PLAN_MARGIN * 0.6 * nodes * layers / (layers + 1)  # and uses what it may
+        batch = worker.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3))
+        assert batch.completion_lengths.tolist() == [3]
+
+
 def test_free_host_memory_is_what_the_kernel_reports_available():
     with open("/proc/meminfo") as f:
         available = int(next(line for line in f if line.startswith("MemAvailable")).split()[1]) * 1024

@@ -43,6 +43,9 @@ Public but internal (no underscore, same risk):
 - `PagedAttentionMemoryHandler.num_attention_masks` / `.kv_heads_at_peak` (memory.py patches `__init__` to set
   them): the memory plan charges every attention but flash for a dense mask and repeated KV; `rollout_paged` has
   neither, and the plan would refuse a large KV budget for a mask that is never built.
+- `utils.get_device_and_memory_breakdown` and `initialization.resolve_max_memory_percent` (sizing.py): the memory
+  upstream's plan accepts (0.6 of the NUMA nodes' memory less RSS on the host, 0.9 of free device memory), which a
+  fraction budget's KV must stay within or the footprint check raises a MemoryError.
 - `PagedAttentionCache.__init__` allocating the whole cache as one `torch.zeros(bytes, dtype=torch.uint8, device=...)`
   looked up as `torch` in transformers' `continuous_batching.cache` module (memory.py gives that module a `torch`
   whose `zeros` maps lazily zeroed pages on the host, so a large CPU budget costs only what is cached).
@@ -471,3 +474,19 @@ def test_the_step_inputs_and_outputs_keep_the_layout_the_sampler_hooks_rely_on()
         HostDeviceIOPair.transfer_outputs_d2h)
     assert "self.logit_processor = ContinuousBatchingLogitsProcessorList(" in inspect.getsource(
         ContinuousBatchingManager.__init__)
+
+
+def test_the_memory_plan_accepts_the_share_sizing_assumes():
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching import cache as upstream_cache
+    from transformers.generation.continuous_batching.initialization import resolve_max_memory_percent
+
+    from rollout.engine import sizing
+
+    for device, expected in (("cpu", sizing.PLAN_SHARE["cpu"]), ("cuda", sizing.PLAN_SHARE_DEFAULT)):
+        config = ContinuousBatchingConfig()
+        resolve_max_memory_percent(config, has_logit_processors=False, device=torch.device(device))
+        assert config.max_memory_percent == expected, device
+    assert upstream_cache.get_device_and_memory_breakdown is sizing.get_device_and_memory_breakdown
+    source = inspect.getsource(upstream_cache.PagedAttentionMemoryHandler.get_available_memory)
+    assert "total - max(allocated, reserved)" in source and "max_memory_percent" in source

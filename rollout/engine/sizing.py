@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
-from transformers.generation.continuous_batching.utils import attn_mask_is_needed
+from transformers.generation.continuous_batching.utils import attn_mask_is_needed, get_device_and_memory_breakdown
 from transformers.utils.generic import is_flash_attention_requested
 
 from ..base.config import WorkerConfig
@@ -14,6 +14,11 @@ from ..base.errors import invalid
 from .attention import NAME
 
 MIN_BLOCKS = 4
+# upstream's memory plan lets the cache and the step's tensors use this share of the memory it sees as free
+# (initialization.resolve_max_memory_percent, with max_memory_percent unset as the engine leaves it)
+PLAN_SHARE = {"cpu": 0.6, "mps": 0.6}
+PLAN_SHARE_DEFAULT = 0.9
+PLAN_MARGIN = 0.9  # of that, what a fraction budget's KV may take: the rest is the step's tensors and rounding
 
 
 def kv_bytes_per_token(model) -> int:
@@ -40,6 +45,22 @@ def kv_budget_bytes(config: WorkerConfig, device: torch.device) -> int:
     return int(config.kv_cache_memory_fraction * free_memory(device))
 
 
+def planned_memory(device: torch.device) -> int:
+    """Bytes upstream's memory plan accepts for the cache with everything it charges beside it (its footprint check
+    raises a MemoryError above it). On the host it counts the memory of the process's NUMA nodes, which on some
+    virtual machines is far below MemAvailable (seen: 9 GB of nodes on a 24 GB host), less this process's RSS."""
+    _, total, reserved, allocated = get_device_and_memory_breakdown()
+    return int(PLAN_SHARE.get(device.type, PLAN_SHARE_DEFAULT) * max(0, total - max(allocated, reserved)))
+
+
+def plan_cap_bytes(model) -> int:
+    """The most KV a fraction budget may hold so that upstream's plan accepts the cache: under `rollout_paged` the
+    plan charges each cache token its K and V in every layer plus one layer's read-back at the attention peak, so
+    the KV is `layers / (layers + 1)` of what a cache token costs."""
+    layers = model.config.get_text_config().num_hidden_layers
+    return int(PLAN_MARGIN * planned_memory(model.device) * layers / (layers + 1))
+
+
 def max_useful_tokens(config: WorkerConfig, model) -> int | None:
     """The most tokens the engine can hold at once: max_requests_per_batch requests of the model's longest sequence
     (None when the model states no maximum length)."""
@@ -50,14 +71,17 @@ def max_useful_tokens(config: WorkerConfig, model) -> int | None:
 def num_blocks(config: WorkerConfig, model) -> int:
     """Blocks of `page_size` tokens: config.num_blocks, or what the budget holds. A budget that is a fraction of free
     memory stops at what the engine can use at once (`max_useful_tokens`: a small model on a big host would
-    otherwise get millions of blocks of bookkeeping); a budget in MiB is taken as given. Either is capped at
+    otherwise get millions of blocks of bookkeeping) and at what upstream's memory plan accepts (`plan_cap_bytes`);
+    a budget in MiB is taken as given. Either is capped at
     max_cache_tokens when the attention allocates a dense mask, which grows with the cache."""
     if config.num_blocks is not None:
         return config.num_blocks
     budget = kv_budget_bytes(config, model.device)
     useful = max_useful_tokens(config, model)
-    if config.kv_cache_memory_mb is None and useful is not None:
-        budget = min(budget, useful * kv_bytes_per_token(model))
+    if config.kv_cache_memory_mb is None:
+        budget = min(budget, plan_cap_bytes(model))
+        if useful is not None:
+            budget = min(budget, useful * kv_bytes_per_token(model))
     by_memory = budget // (kv_bytes_per_token(model) * config.page_size)
     if not attn_mask_is_needed(model.config):  # no dense mask to bound: the memory budget alone sizes it
         return max(MIN_BLOCKS, by_memory)
