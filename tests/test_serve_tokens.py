@@ -130,7 +130,8 @@ def test_prompt_logprobs_in_vllm_shape_with_ranks_for_completions_and_chat(serve
     for pos, entry in enumerate(entries[1:]):
         token = prompt[pos + 1]
         own = entry[str(token)]
-        assert own["rank"] == 1 + int((logp[pos] > logp[pos, token]).sum()) and own["decoded_token"] == tok.decode([token])
+        assert own["rank"] == 1 + int((logp[pos] > logp[pos, token]).sum())
+        assert own["decoded_token"] == tok.decode([token])
         best = torch.topk(logp[pos], 2).indices.tolist()
         for rank, i in enumerate(best, 1):
             assert abs(entry[str(i)]["logprob"] - float(logp[pos, i])) <= TOL
@@ -170,8 +171,8 @@ def test_generate_endpoint_takes_and_returns_token_ids_as_renderers_sends_them(s
     assert status == 400 and bad["error"]["param"] == "sampling_params.temperature", bad
     status, bad = post(server, "/inference/v1/generate", {"token_ids": prompt, "sampling_params": {"frob": 1}})
     assert status == 400 and bad["error"]["param"] == "sampling_params.frob"
-    status, scored = post(server, "/inference/v1/generate", {"token_ids": prompt,
-                                                             "sampling_params": {"max_tokens": 0, "prompt_logprobs": 1}})
+    only_prompt = {"max_tokens": 0, "prompt_logprobs": 1}
+    status, scored = post(server, "/inference/v1/generate", {"token_ids": prompt, "sampling_params": only_prompt})
     assert status == 200 and scored["choices"][0]["token_ids"] == []
     assert_prompt_logprobs(worker, prompt, [e[str(t)]["logprob"] for e, t in zip(scored["prompt_logprobs"][1:],
                                                                                     prompt[1:])])

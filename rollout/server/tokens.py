@@ -77,7 +77,8 @@ def _renamed(error: ApiError) -> ApiError:
     return error
 
 
-async def generate_response(service: Service, request: Request, prepared: Prepared, generation, request_id: str) -> dict:
+async def generate_response(service: Service, request: Request, prepared: Prepared, generation,
+                            request_id: str) -> dict:
     outcome = await service.outcome(request, prepared, generation)
     prompt, detok = prepared.prompts[0], prepared.detok
     choices = [{"index": c.index, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
