@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import reference_logprobs
 
+import rollout
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
 from rollout.fleet.actor import FleetActor, from_shared, model_source, to_shared
 from rollout.fleet.collective import WeightGroup, free_port, layout, pack, unpack
@@ -309,6 +310,11 @@ def test_score_splits_pairs_across_actors_in_input_order(fleet, local):
     scores = fleet.score(prompts, completions, temperature=0.8)
     for prompt, completion, got in zip(prompts, completions, scores):
         assert torch.allclose(got, reference_logprobs(local, prompt, completion, 0.8)[0], atol=TOL)
+    same, top = fleet.score(prompts, completions, temperature=0.8, top_k=2)  # alternatives travel with their pair
+    _, expected = rollout.score(local, prompts, completions, temperature=0.8, top_k=2)
+    assert all(torch.equal(a, b) for a, b in zip(same, scores))
+    for (ids, values, ranks), (ids0, values0, ranks0) in zip(top, expected):
+        assert torch.equal(ids, ids0) and torch.equal(ranks, ranks0) and torch.allclose(values, values0, atol=TOL)
     with pytest.raises(ValueError, match="LlamaForCausalLM: it has no mixture-of-experts router"):
         fleet.score(prompts, completions, return_routing=True)  # refused before any pair is scored
 

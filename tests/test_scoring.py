@@ -268,6 +268,25 @@ def test_details_give_entropy_and_top_k_of_the_tempered_distribution(tiny):
         assert torch.allclose(logp.gather(1, d.top_ids), d.top_logprobs, atol=ATOL, rtol=0)
 
 
+def test_score_with_top_k_returns_alternatives_and_ranks_from_the_same_log_softmax(tiny):
+    model, _ = tiny
+    prompts, completions = ragged(model.config.vocab_size, seed=7)
+    logprobs, top = score(model, prompts, completions, temperature=1.3, top_k=3, max_batch_tokens=300)
+    assert torch.equal(torch.cat(logprobs), torch.cat(score(model, prompts, completions, temperature=1.3,
+                                                            max_batch_tokens=300)))
+    for p, c, row, (ids, values, ranks) in zip(prompts, completions, logprobs, top):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([p + c])).logits[0, len(p) - 1:-1] / 1.3, dim=-1)
+        chosen = logp.gather(1, torch.tensor(c)[:, None])
+        assert ids.shape == values.shape == (len(c), 3) and ranks.dtype == torch.int64
+        assert torch.equal(ranks, (logp > chosen).sum(-1) + 1)  # the reference forward ranks them alike here
+        assert torch.allclose(values, logp.topk(3, dim=-1).values, atol=ATOL, rtol=0)
+        assert torch.equal(values.gather(1, (ids == torch.tensor(c)[:, None]).int().argmax(1, keepdim=True))
+                           .squeeze(1)[ranks <= 3], row[ranks <= 3])  # a listed token: its own logprob, bit-exact
+    with pytest.raises(ValueError, match="top_k"):
+        score(model, prompts, completions, top_k=2, return_routing=True)
+
+
 def test_score_iter_streams_in_input_order_reading_only_as_far_as_the_batch(tiny):
     model, _ = tiny
     prompts, completions = ragged(model.config.vocab_size, seed=7)

@@ -13,6 +13,7 @@ import os
 import sys
 
 from ..base.config import WorkerConfig
+from ..server.limits import FLAGS, RequestLimits
 from .main import _sigterm_as_interrupt
 
 EPILOG = """\
@@ -36,12 +37,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers < 1:
         return _fail(f"--workers {args.workers} is invalid: must be >= 1")
     try:
+        limits = RequestLimits(**{name: getattr(args, name) for name in FLAGS})
+    except ValueError as error:
+        return _fail(str(error))
+    try:
         from ..server import Server
     except ImportError as error:
         return _fail(str(error))
     rollouts = _rollouts(args, config)
     try:
-        server = Server(rollouts, args.host, args.port, args.api_key, args.served_model_name, args.log_level)
+        server = Server(rollouts, args.host, args.port, args.api_key, args.served_model_name, args.log_level, limits)
         print(f"rollout: serving {server.model_name!r} on http://{args.host}:{args.port}/v1"
               f"{' (API key required)' if args.api_key else ''}; Ctrl-C stops", file=sys.stderr)
         with _sigterm_as_interrupt():
@@ -86,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(needs ray)")
     parser.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                         help="uvicorn's log level (default warning)")
+    bounds = parser.add_argument_group("per-request limits (a request past one is a 400 naming it)")
+    for name, flag in FLAGS.items():
+        bounds.add_argument(flag, dest=name, type=int, default=getattr(RequestLimits, name), metavar="N",
+                            help=f"default {getattr(RequestLimits, name)}")
     group = parser.add_argument_group("engine (WorkerConfig; defaults as in the README)")
     for f in dataclasses.fields(WorkerConfig):
         flag = "--" + f.name.replace("_", "-")

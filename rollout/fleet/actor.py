@@ -132,6 +132,8 @@ class FleetActor:
             self.busy += 1
         try:
             result = self.worker.score(prompts, completions, temperature=temperature, **kwargs)
+            if kwargs.get("top_k"):  # per pair, as the fleet collects results: (logprobs, its alternatives)
+                return list(zip(*result))
             if not kwargs.get("return_routing"):
                 return result
             logprobs, routing = result  # per pair, as the fleet collects results: (logprobs, its experts), the

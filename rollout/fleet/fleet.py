@@ -186,7 +186,8 @@ class RolloutFleet:
               timeout: float | None = None, **kwargs) -> list[torch.Tensor] | tuple[list[torch.Tensor], Routing]:
         """rollout.scoring.score on the actors' models: pairs spread by length, results in input order.
         `return_routing=True` (mixtures of experts): `(logprobs, routing)` as `rollout.score` returns them, each
-        pair's experts coming back with its logprobs (`routing.bytes_per_token` per fed token)."""
+        pair's experts coming back with its logprobs (`routing.bytes_per_token` per fed token); `top_k=k`:
+        `(logprobs, top)` likewise."""
         if len(prompts) != len(completions):
             raise invalid("completions", f"{len(completions)} items", f"must be one per prompt ({len(prompts)})",
                           "pass as many completions as prompts")
@@ -202,6 +203,8 @@ class RolloutFleet:
 
         costs = [max(1, len(p) + len(c)) for p, c in zip(prompts, completions)]
         scores = self._scatter(costs, submit, timeout, [1] * len(costs), "score", ("pairs", "pairs"))
+        if kwargs.get("top_k"):  # (logprobs, top) as rollout.score returns them, each pair's from its actor
+            return [scores[j][0] for j in range(len(costs))], [scores[j][1] for j in range(len(costs))]
         if layout is None:
             return [scores[j] for j in range(len(costs))]
         experts = tuple(torch.tensor(scores[j][1]) for j in range(len(costs)))  # numpy on the wire (actor.score)

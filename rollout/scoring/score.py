@@ -46,10 +46,11 @@ class TokenScores:
     top_ids: torch.Tensor | None = None  # [C, k] int64: the k most likely tokens at each step
     top_logprobs: torch.Tensor | None = None  # [C, k] float32: their logprobs
     routing: torch.Tensor | None = None  # [P + C - 1, layers, top_k]: the experts of every fed position (MoE)
+    ranks: torch.Tensor | None = None  # [C] int64 (with top_k): 1 + how many tokens are more likely than this one
 
     def __post_init__(self) -> None:
         n = self.logprobs.shape[0]
-        for name in ("entropy", "top_ids", "top_logprobs"):
+        for name in ("entropy", "top_ids", "top_logprobs", "ranks"):
             value = getattr(self, name)
             if value is not None and value.shape[0] != n:
                 raise invalid(name, f"{value.shape[0]} rows", f"must have one row per completion token ({n})",
@@ -58,7 +59,7 @@ class TokenScores:
 
 def score(model_or_path: Any, prompts: Sequence[Any], completions: Sequence[Any],
           temperature: float | Sequence[float] = 1.0, tokenizer: Any = None,
-          max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, return_routing: bool = False):
+          max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, return_routing: bool = False, top_k: int = 0):
     """Teacher-forced logprobs of each completion given its prompt: one float32 [len(completion)] tensor per pair.
 
     Prompts and completions are token-id lists (or 1-D tensors), or strings with a tokenizer (encoded without
@@ -66,12 +67,20 @@ def score(model_or_path: Any, prompts: Sequence[Any], completions: Sequence[Any]
     `return_routing=True` (mixtures of experts): returns `(logprobs, routing)`, `routing` a `rollout.moe.Routing`
     with the experts this forward chose at every fed position of each pair (prompt and completion but its last
     token), in the layout `RolloutBatch.routing` has; a model without routers the recorder understands is refused
-    before anything runs.
+    before anything runs. `top_k=k > 0`: returns `(logprobs, top)`, `top[i]` the pair's `(top_ids [C, k] int64,
+    top_logprobs [C, k] float32, ranks [C] int64)`: the k most likely tokens at each step and the rank of each
+    completion token (1 = the most likely), from the same log-softmax as its logprob (what the server's prompt
+    logprobs are); not together with `return_routing`.
     """
+    if top_k and return_routing:
+        raise invalid("top_k", top_k, "cannot be combined with return_routing=True",
+                      "ask for the alternatives and the routing in two calls")
     model, tokenizer = load_model(model_or_path, tokenizer)
     rows = score_details(model, prompts, completions, temperature, tokenizer, max_batch_tokens,
-                         entropy=False, top_k=0, return_routing=return_routing)
+                         entropy=False, top_k=top_k, return_routing=return_routing)
     logprobs = [row.logprobs for row in rows]
+    if top_k:
+        return logprobs, [(row.top_ids, row.top_logprobs, row.ranks) for row in rows]
     if not return_routing:
         return logprobs
     routers = find_routers(model)
@@ -84,8 +93,8 @@ def score_details(model_or_path: Any, prompts: Sequence[Any], completions: Seque
                   temperature: float | Sequence[float] = 1.0, tokenizer: Any = None,
                   max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, entropy: bool = True,
                   top_k: int = 0, return_routing: bool = False) -> list[TokenScores]:
-    """`score`, plus per-token entropy and the `top_k` most likely alternatives (each costs one pass over the rows),
-    and with `return_routing` each pair's experts (`TokenScores.routing`)."""
+    """`score`, plus per-token entropy and the `top_k` most likely alternatives with each token's rank (each costs one
+    pass over the rows), and with `return_routing` each pair's experts (`TokenScores.routing`)."""
     for name, value in (("prompts", prompts), ("completions", completions)):
         if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
             raise invalid(name, type(value).__name__, "must be a list with one entry per pair",
@@ -155,17 +164,20 @@ def _token_scores(logits: torch.Tensor, pack: Pack, entropy: bool, top_k: int) -
     """fp32 log_softmax(logits / T) a chunk of rows at a time; returns one TokenScores per sequence, in order."""
     targets = pack.targets.to(logits.device)
     temps = pack.temperatures.to(logits.device)
-    parts: dict[str, list[torch.Tensor]] = {"logprobs": [], "entropy": [], "top_ids": [], "top_logprobs": []}
+    parts: dict[str, list[torch.Tensor]] = {"logprobs": [], "entropy": [], "top_ids": [], "top_logprobs": [],
+                                            "ranks": []}
     for start in range(0, logits.shape[0], LOGPROB_CHUNK_ROWS):
         end = start + LOGPROB_CHUNK_ROWS
         logp = torch.log_softmax(logits[start:end].float() / temps[start:end, None], dim=-1)  # [r, V] fp32
-        parts["logprobs"].append(logp.gather(1, targets[start:end, None]).squeeze(1))
+        chosen = logp.gather(1, targets[start:end, None])  # [r, 1]
+        parts["logprobs"].append(chosen.squeeze(1))
         if entropy:  # 0 * log 0 -> nan where a logit is -inf: count it as 0
             parts["entropy"].append(-(logp.exp() * logp).nan_to_num(0.0).sum(-1))
         if top_k:
             values, ids = logp.topk(top_k, dim=-1)
             parts["top_logprobs"].append(values)
             parts["top_ids"].append(ids)
+            parts["ranks"].append((logp > chosen).sum(-1) + 1)
     fields = {k: torch.cat(v).cpu().split(pack.num_targets) for k, v in parts.items() if v}
     return [TokenScores(**{k: v[s].clone() for k, v in fields.items()}) for s in range(len(pack.num_targets))]
 

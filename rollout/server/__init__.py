@@ -8,8 +8,9 @@ uvicorn (lazily: `rollout[serve]`); never the engine's internals, Ray or trainer
 each: `protocol.py` (request bodies, checked), `chat.py` (chat template in, parse_response out, episode
 continuations), `choices.py` (rows to choices: stop strings, streaming deltas), `responses.py` (response and chunk
 bodies), `backend.py` (the rollout side seen from the event loop), `episodes.py` (episode recording, segments),
-`service.py` (one request, start to end), `app.py` (the FastAPI routes), `server.py` (the handle and `serve`),
-`errors.py` (OpenAI's error shape). Docs: docs/serve.md.
+`service.py` (one request, start to end), `prompts.py` (prompt logprobs, teacher-forced by the rollout side's
+`score`), `tokens.py` (vLLM's token-in/token-out endpoints), `limits.py` (how much one request may ask), `app.py`
+(the FastAPI routes), `server.py` (the handle and `serve`), `errors.py` (OpenAI's error shape). Docs: docs/serve.md.
 """
 
 from .episodes import EpisodeBatch, EpisodeRecorder

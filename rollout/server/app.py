@@ -1,12 +1,15 @@
 """The HTTP surface: a FastAPI app over a `Service`.
 
     GET  /health                 {"status": "ok", "policy_version": N} (no key needed)
-    GET  /v1/models              the one model served
+    GET  /v1/models              the one model served (and GET /v1/models/{id}: its card)
     POST /v1/chat/completions    chat.completion, or server-sent chunks with "stream": true
     POST /v1/completions         text_completion, likewise
+    POST /inference/v1/generate  token ids in, token ids out (vLLM's shape: tokens.py)
+    POST /tokenize, /detokenize  the served tokenizer (vLLM's shapes)
 
 Every error is OpenAI's shape (errors.ApiError), unknown routes and unexpected failures included: one request never
-takes the server down. With an API key, /v1/* needs `Authorization: Bearer KEY` (401 otherwise). A client that
+takes the server down; every body is read within the server's RequestLimits (limits.py). With an API key, every
+route but /health needs `Authorization: Bearer KEY` (401 otherwise). A client that
 disconnects cancels its request: nothing of it keeps running in the engine.
 """
 
@@ -22,7 +25,9 @@ from fastapi import Depends, FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from .errors import ApiError, bad_request
+from . import tokens
+from .errors import ApiError
+from .limits import read_json
 from .protocol import parse
 from .service import Service
 
@@ -54,11 +59,19 @@ def build_app(service: Service, api_key: str | None = None, policy_version=lambd
     async def health() -> dict:
         return {"status": "ok", "policy_version": policy_version()}
 
+    card = {"id": service.model_name, "object": "model", "created": created, "owned_by": "rollout",
+            "max_model_len": service.limits.max_tokens}
+
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> dict:
-        card = {"id": service.model_name, "object": "model", "created": created, "owned_by": "rollout",
-                "max_model_len": service.limits.max_tokens}
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorize)])
+    async def model(model_id: str) -> dict:
+        if model_id != service.model_name:
+            raise ApiError(404, f"The model `{model_id}` does not exist. Fix: use `{service.model_name}` "
+                           "(GET /v1/models)", "model", "model_not_found")
+        return card
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat(request: HttpRequest):
@@ -68,16 +81,32 @@ def build_app(service: Service, api_key: str | None = None, policy_version=lambd
     async def completions(request: HttpRequest):
         return await _serve(service, "completion", request)
 
+    @app.post("/inference/v1/generate", dependencies=[Depends(authorize)])
+    async def generate(http: HttpRequest):
+        body = read_json(await http.body(), service.request_limits)
+        request, prepared, request_id = tokens.generate_request(service, body, _headers(http))
+        generation = await service.start(request, prepared)
+        work = tokens.generate_response(service, request, prepared, generation, request_id)
+        return JSONResponse(await _unless_disconnected(http, work))
+
+    @app.post("/tokenize", dependencies=[Depends(authorize)])
+    async def tokenize(http: HttpRequest) -> dict:
+        return tokens.tokenize(service, read_json(await http.body(), service.request_limits))
+
+    @app.post("/detokenize", dependencies=[Depends(authorize)])
+    async def detokenize(http: HttpRequest) -> dict:
+        return tokens.detokenize(service, read_json(await http.body(), service.request_limits))
+
     return app
 
 
+def _headers(http: HttpRequest) -> dict[str, str]:
+    return {k.lower(): v for k, v in http.headers.items()}
+
+
 async def _serve(service: Service, kind: str, http: HttpRequest):
-    try:
-        body = json.loads(await http.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise bad_request(None, f"We could not parse the JSON body of your request ({error}). Fix: send a JSON "
-                          "object with Content-Type: application/json") from None
-    request = parse(kind, body, {k.lower(): v for k, v in http.headers.items()})
+    body = read_json(await http.body(), service.request_limits)
+    request = parse(kind, body, _headers(http), service.request_limits)
     prepared = service.prepare(request)
     generation = await service.start(request, prepared)
     if request.stream:

@@ -8,8 +8,11 @@ an unknown field is refused as OpenAI's API refuses it, and a sampling control t
 Extensions (vLLM's names where vLLM has one): `prompt_token_ids` (token ids instead of messages or a prompt),
 `top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids` (false drops the token-id fields of the response),
 `return_tokens_as_token_ids` (logprobs name each token, alternatives included, "token_id:<id>" instead of its text,
-which may be ambiguous: two byte tokens both decode to "\ufffd") and `episode_id` (or the `X-Episode-Id` header:
-record the call under that episode).
+which may be ambiguous: two byte tokens both decode to "\ufffd"), `prompt_logprobs` (k: every prompt token's logprob
+and its k most likely alternatives, teacher-forced: prompts.py) and `episode_id` (or the `X-Episode-Id` header:
+record the call under that episode). Completions also take `echo` (the prompt returned before the completion, with
+its logprobs when `logprobs` is set), and `max_tokens: 0` when only the prompt is scored (`echo` or
+`prompt_logprobs`). `n`, the number of prompts and of `stop` strings are bounded by the server's RequestLimits.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 
 from ..base.params import MAX_TOP_LOGPROBS
 from .errors import bad_request
+from .limits import RequestLimits
 
 # Sampling controls other servers take that this engine cannot apply per request: accepted only at these values.
 NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},), "min_p": (0, 0.0),
@@ -29,10 +33,11 @@ NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_b
 INERT = ("user", "metadata", "service_tier")
 COMMON = {"model", "n", "temperature", "top_p", "max_tokens", "stop", "seed", "stream", "stream_options", "logprobs",
           "prompt_token_ids", "top_k", "stop_token_ids", "ignore_eos", "return_token_ids", "return_tokens_as_token_ids",
-          "episode_id",
+          "episode_id", "prompt_logprobs",
           *NEUTRAL, *INERT}
 FIELDS = {"chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"},
           "completion": COMMON | {"prompt"}}
+ACTED_ON = {"completion": {"echo"}, "chat": set()}  # NEUTRAL fields a kind does honour
 TOOL_CHOICES = ("auto", "none")
 EPISODE_HEADER = "x-episode-id"
 
@@ -65,19 +70,30 @@ class Request:
     episode_id: str | None
     return_token_ids: bool
     tokens_as_ids: bool  # return_tokens_as_token_ids
+    echo: bool = False  # completions: the prompt comes back before the completion (and its logprobs, if asked)
+    prompt_logprobs: int | None = None  # alternatives per prompt token (vLLM's prompt_logprobs); None: not asked
+
+    @property
+    def scores_prompt(self) -> bool:
+        """The prompt's own logprobs are part of the answer (teacher-forced: prompts.py)."""
+        return self.prompt_logprobs is not None or (self.echo and self.logprobs)
 
     @property
     def parses_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
 
 
-def parse(kind: str, body: Any, headers: dict[str, str] | None = None) -> Request:
+def parse(kind: str, body: Any, headers: dict[str, str] | None = None,
+          limits: RequestLimits | None = None) -> Request:
+    limits = limits or RequestLimits()
     if not isinstance(body, dict):
         raise bad_request(None, "the request body must be a JSON object")
     unknown = sorted(set(body) - FIELDS[kind])
     if unknown:
         raise bad_request(unknown[0], f"Unrecognized request argument supplied: {unknown[0]}")
     for name, neutral in NEUTRAL.items():
+        if name in ACTED_ON[kind]:
+            continue
         value = body.get(name)
         if name in body and value is not None and not any(value == v and type(value) is type(v) for v in neutral):
             raise bad_request(name, f"{name}={value!r} is not supported: this engine cannot apply it per request. "
@@ -88,18 +104,34 @@ def parse(kind: str, body: Any, headers: dict[str, str] | None = None) -> Reques
     messages, prompts = _inputs(kind, body)
     stream = _bool(body, "stream", False)
     logprobs, top_logprobs = _logprobs(kind, body)
+    echo, prompt_logprobs = _bool(body, "echo", False), _top(body, "prompt_logprobs")
+    n = _int(body, "n", 1, 1)
+    limits.refuse("n", n, "max_n", "samples")
+    if prompts is not None:
+        limits.refuse("prompt", len(prompts), "max_prompts", "prompts")
+    if stream and (echo or prompt_logprobs is not None):
+        name = "echo" if echo else "prompt_logprobs"
+        raise bad_request(name, f"{name} is not supported with stream=true: the prompt's logprobs are scored after "
+                          "the completion. Fix: send stream=false")
+    stop = _stop(body)
+    limits.refuse("stop", len(stop), "max_stop", "stop strings")
     return Request(
-        kind=kind, model=model, messages=messages, prompts=prompts, n=_int(body, "n", 1, 1),
+        kind=kind, model=model, messages=messages, prompts=prompts, n=n,
         temperature=_number(body, "temperature", 1.0, 0.0, math.inf),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True), top_k=_int(body, "top_k", 0, 0),
-        max_tokens=_max_tokens(kind, body),
+        max_tokens=_max_tokens(kind, body, scores_only=echo or prompt_logprobs is not None),
         max_tokens_param="max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens",
-        stop=_stop(body), stop_token_ids=_ids(body, "stop_token_ids"),
+        stop=stop, stop_token_ids=_ids(body, "stop_token_ids"),
         ignore_eos=_bool(body, "ignore_eos", False), seed=_int(body, "seed", None, 0), logprobs=logprobs,
         top_logprobs=top_logprobs, stream=stream, include_usage=_include_usage(body, stream), tools=_tools(body),
         tool_choice=_tool_choice(body), episode_id=_episode_id(body, headers or {}),
         return_token_ids=_bool(body, "return_token_ids", True),
-        tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False))
+        tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False), echo=echo, prompt_logprobs=prompt_logprobs)
+
+
+def messages_of(body: dict) -> list[dict]:
+    """The checked `messages` of a body (POST /tokenize's chat form)."""
+    return _inputs("chat", {"messages": body.get("messages")})[0]
 
 
 def _inputs(kind: str, body: dict) -> tuple[list[dict] | None, list[Any] | None]:
@@ -176,11 +208,18 @@ def _bool(body: dict, name: str, default: bool) -> bool:
     return value
 
 
-def _max_tokens(kind: str, body: dict) -> int | None:
-    legacy = _int(body, "max_tokens", None, 1)
+def _max_tokens(kind: str, body: dict, scores_only: bool) -> int | None:
+    """0 only when the prompt itself is what is asked for (`scores_only`: echo or prompt_logprobs)."""
+    low = 0 if scores_only else 1
+    for name in ("max_tokens", "max_completion_tokens"):
+        if body.get(name) == 0 and not scores_only:
+            raise bad_request(name, f"{name}=0 is invalid: must be an integer >= 1 (0 only scores the prompt). Fix: "
+                              f"ask for at least one token, or send echo=true with logprobs (completions) or "
+                              "prompt_logprobs")
+    legacy = _int(body, "max_tokens", None, low)
     if kind == "completion":
         return 16 if legacy is None else legacy  # OpenAI's (and vLLM's) default for completions
-    new = _int(body, "max_completion_tokens", None, 1)
+    new = _int(body, "max_completion_tokens", None, low)
     if legacy is not None and new is not None and legacy != new:
         raise bad_request("max_completion_tokens", f"max_tokens={legacy} and max_completion_tokens={new} disagree. "
                           "Fix: pass max_completion_tokens only")
@@ -210,18 +249,22 @@ def _logprobs(kind: str, body: dict) -> tuple[bool, int]:
     """(whether logprobs are returned, how many alternatives per token)."""
     if kind == "chat":
         wanted = _bool(body, "logprobs", False)
-        top = _int(body, "top_logprobs", None, 0)
+        top = _top(body, "top_logprobs")
         if top is not None and not wanted:
             raise bad_request("top_logprobs", "top_logprobs needs logprobs=true")
-        name = "top_logprobs"
     else:
-        top = _int(body, "logprobs", None, 0)
+        top = _top(body, "logprobs")
         wanted = top is not None
-        name = "logprobs"
+    return wanted, top or 0
+
+
+def _top(body: dict, name: str) -> int | None:
+    """An alternatives count in [0, MAX_TOP_LOGPROBS], or None when absent."""
+    top = _int(body, name, None, 0)
     if top is not None and top > MAX_TOP_LOGPROBS:
         raise bad_request(name, f"{name}={top} is more than this server returns: at most {MAX_TOP_LOGPROBS} "
                           f"alternatives per token (OpenAI's limit). Fix: use {name} <= {MAX_TOP_LOGPROBS}")
-    return wanted, top or 0
+    return top
 
 
 def _include_usage(body: dict, stream: bool) -> bool:

@@ -8,7 +8,9 @@ chunks, plus the extensions every choice carries (unless the request says `retur
 
 `logprobs` values are the engine's exact full-vocabulary log p(token) under log_softmax(logits / T) (T = 1 for
 greedy), the same numbers `RolloutBatch.logprobs` holds; `top_logprobs` lists (when asked) are the k most likely tokens
-of that same log-softmax at each position, read off the engine's own sampling step (`RolloutBatch.top_ids`).
+of that same log-softmax at each position, read off the engine's own sampling step (`RolloutBatch.top_ids`). The
+prompt's logprobs (completions `echo` with `logprobs`; `prompt_logprobs`: chat at the top level, completions in each
+choice, as vLLM puts them) are teacher-forced by the rollout side's `score` (prompts.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from .choices import Choice, Delta, Detokenizer, Top
+from .prompts import PromptScores, echo_logprobs, joined, vllm_prompt_logprobs
 from .protocol import Request
 
 
@@ -59,7 +62,7 @@ def extensions(request: Request, ids: list[int], versions: list[int], choice: Ch
 
 
 def chat_response(request: Request, rid: str, created: int, model: str, choices: list[Choice],
-                  detok: Detokenizer, cached_tokens: int) -> dict:
+                  detok: Detokenizer, cached_tokens: int, scores: list[PromptScores] | None = None) -> dict:
     out_choices = []
     for c in choices:
         out_choices.append({
@@ -70,23 +73,40 @@ def chat_response(request: Request, rid: str, created: int, model: str, choices:
             "usage": usage(len(choices[0].prompt_ids), sum(len(c.token_ids) for c in choices), cached_tokens)}
     if request.return_token_ids:
         body["prompt_token_ids"] = choices[0].prompt_ids
+    if request.prompt_logprobs is not None:
+        body["prompt_logprobs"] = vllm_prompt_logprobs(choices[0].prompt_ids, scores[0].first(request.prompt_logprobs),
+                                                       detok)
     return body
 
 
 def completion_response(request: Request, rid: str, created: int, model: str, choices: list[Choice],
-                        detok: Detokenizer, cached_tokens: int) -> dict:
+                        detok: Detokenizer, cached_tokens: int, scores: list[PromptScores] | None = None) -> dict:
     out_choices = []
     for c in choices:
-        item = {"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
-                "logprobs": completion_logprobs(c.token_ids, c.logprobs, detok, top=c.top) if request.logprobs
-                else None,
-                **extensions(request, c.token_ids, c.token_versions, c)}
+        mine = scores[c.index // request.n] if scores is not None else None
+        prompt_text = _prompt_text(request, c, detok) if request.echo else ""
+        logprobs = None
+        if request.logprobs:
+            logprobs = completion_logprobs(c.token_ids, c.logprobs, detok, len(prompt_text), c.top)
+            if request.echo:
+                prompt = echo_logprobs(c.prompt_ids, mine.first(request.top_logprobs), detok, request.top_logprobs)
+                logprobs = joined(prompt, logprobs)
+        item = {"index": c.index, "text": prompt_text + c.text, "finish_reason": c.finish_reason,
+                "logprobs": logprobs, **extensions(request, c.token_ids, c.token_versions, c)}
         if request.return_token_ids:
             item["prompt_token_ids"] = c.prompt_ids
+        if request.prompt_logprobs is not None:
+            item["prompt_logprobs"] = vllm_prompt_logprobs(c.prompt_ids, mine.first(request.prompt_logprobs), detok)
         out_choices.append(item)
     prompt_tokens = sum(len(c.prompt_ids) for c in choices[:: request.n])
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": out_choices,
             "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices), cached_tokens)}
+
+
+def _prompt_text(request: Request, choice: Choice, detok: Detokenizer) -> str:
+    """What `echo` returns of the prompt: the text sent, or the decoded ids."""
+    given = request.prompts[choice.index // request.n] if request.prompts is not None else None
+    return given if isinstance(given, str) else detok.text(choice.prompt_ids)
 
 
 class Chunks:

@@ -22,6 +22,8 @@ from ..model.loading import pad_token_id
 from .backend import backend_for
 from .chat import ChatFormat
 from .episodes import EpisodeBatch, EpisodeRecorder
+from .limits import RequestLimits
+from .prompts import PromptScorer
 from .service import Limits, Service
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
@@ -31,10 +33,12 @@ KEEP_ALIVE_S = 75  # seconds an idle client connection stays open
 class Server:
     """host / port: where to listen (loopback by default; port 0 picks a free one, see `port`). api_key: when set,
     /v1/* needs `Authorization: Bearer <api_key>`. model_name: the name clients pass as `model` (default: the
-    checkpoint directory's name, else the model's `name_or_path`)."""
+    checkpoint directory's name, else the model's `name_or_path`). limits: how much one request may ask
+    (RequestLimits: n, prompts, stop strings, JSON nesting)."""
 
     def __init__(self, rollouts: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | None = None,
-                 model_name: str | None = None, log_level: str = "warning") -> None:
+                 model_name: str | None = None, log_level: str = "warning",
+                 limits: RequestLimits | None = None) -> None:
         uvicorn = _import("uvicorn")
         from .app import build_app
 
@@ -43,7 +47,9 @@ class Server:
         self.recorder = EpisodeRecorder(tokenizer, pad_token_id(tokenizer))
         self.backend = backend_for(rollouts)
         self.model_name = model_name or default_model_name(rollouts)
-        service = Service(self.backend, ChatFormat(tokenizer), self.recorder, self.model_name, limits_of(rollouts))
+        self.scorer = PromptScorer(rollouts)
+        service = Service(self.backend, ChatFormat(tokenizer), self.recorder, self.model_name, limits_of(rollouts),
+                          self.scorer, limits or RequestLimits())
         app = build_app(service, api_key, lambda: int(rollouts.policy_version))
         # keep-alive longer than clients keep idle connections (httpx, under openai: 5 s), so the client is the one
         # that closes them: at uvicorn's own 5 s the two race, and a request sent on a connection the server is
@@ -103,6 +109,7 @@ class Server:
         if self._thread is not None:
             self._thread.join(timeout=30)
         self.backend.close()
+        self.scorer.close()
 
     def __enter__(self) -> "Server":
         return self
@@ -112,9 +119,12 @@ class Server:
 
 
 def serve(rollouts: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | None = None,
-          model_name: str | None = None) -> Server:
-    """Serve `rollouts` (a RolloutWorker or RolloutFleet) over OpenAI's HTTP API on a background thread."""
-    return Server(rollouts, host, port, api_key, model_name).start()
+          model_name: str | None = None, *, max_n: int = 128, max_prompts: int = 2048, max_stop: int = 64,
+          max_json_depth: int = 64) -> Server:
+    """Serve `rollouts` (a RolloutWorker or RolloutFleet) over OpenAI's HTTP API on a background thread. The max_*
+    bound one request (RequestLimits; a request past one is a 400 naming it)."""
+    limits = RequestLimits(max_n, max_prompts, max_stop, max_json_depth)
+    return Server(rollouts, host, port, api_key, model_name, limits=limits).start()
 
 
 def default_model_name(rollouts: Any) -> str:

@@ -9,6 +9,9 @@ SamplingParams. Chat prompts are rendered by the tokenizer's chat template; a ch
 messages continue the episode's last call (the same messages, the assistant message the server returned, then new
 ones) is prompted with that call's prompt + the tokens the model sampled + the rendering of the new messages, so
 its history is never re-tokenized and its prefix is in the engine's prefix cache.
+
+A request that asks for its prompt's logprobs (`echo` with `logprobs`, `prompt_logprobs`) has them scored after its
+completion by the rollout side's `score` (prompts.py); with `max_tokens: 0` nothing is generated at all.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from .chat import ChatFormat, normalize, same_message
 from .choices import Choice, Detokenizer, Diverged, StreamedChoice, choice_of
 from .episodes import EpisodeRecorder
 from .errors import ApiError, bad_request, from_value_error
+from .limits import RequestLimits
+from .prompts import PromptScorer, PromptScores
 from .protocol import Request
 from .responses import Chunks, chat_response, completion_response
 
@@ -44,15 +49,24 @@ class Limits:
 @dataclass(frozen=True)
 class Prepared:
     prompts: list[list[int]]
-    sampling: SamplingParams
+    sampling: SamplingParams | None  # None: max_tokens 0, nothing to generate (the prompt is only scored)
     detok: Detokenizer
+
+
+@dataclass(frozen=True)
+class Outcome:
+    choices: list[Choice]
+    cached_tokens: int  # prompt tokens the prefix cache served
+    prompt_scores: list[PromptScores] | None  # per prompt, when the request asked for its prompt's logprobs
 
 
 class Service:
     def __init__(self, backend: Any, chat: ChatFormat, recorder: EpisodeRecorder, model_name: str,
-                 limits: Limits) -> None:
+                 limits: Limits, scorer: PromptScorer | None = None,
+                 request_limits: RequestLimits | None = None) -> None:
         self.backend, self.chat, self.recorder = backend, chat, recorder
-        self.model_name, self.limits = model_name, limits
+        self.model_name, self.limits, self.scorer = model_name, limits, scorer
+        self.request_limits = request_limits or RequestLimits()
         self.tokenizer = chat.tokenizer
 
     # ------------------------------------------------------------------ checks
@@ -97,10 +111,12 @@ class Service:
                                               choice.token_ids)
         return None
 
-    def _sampling(self, request: Request, prompt_len: int) -> SamplingParams:
+    def _sampling(self, request: Request, prompt_len: int) -> SamplingParams | None:
         limit = self.limits.max_tokens
         room = limit - prompt_len
         field = self._prompt_field(request)
+        if request.max_tokens == 0 and room >= 0:  # only the prompt is scored
+            return None
         if room < 1:
             raise bad_request(field, f"This model's maximum context length is {limit} tokens, and the prompt has "
                               f"{prompt_len}: no room for a completion. Fix: shorten the prompt",
@@ -136,24 +152,51 @@ class Service:
         return "prompt" if request.kind == "completion" and request.prompts is not None else "prompt_token_ids"
 
     # ------------------------------------------------------------------ running
-    async def start(self, request: Request, prepared: Prepared) -> Generation:
+    async def start(self, request: Request, prepared: Prepared) -> Generation | None:
+        if prepared.sampling is None:
+            return None
         try:
             return await self.backend.start(prepared.prompts, [prepared.sampling] * len(prepared.prompts),
                                             request.stream)
         except ValueError as error:  # the rollout side's own checks (the KV cache's limit, ...)
             raise from_value_error(error, API_NAMES) from None
 
-    async def complete(self, request: Request, prepared: Prepared, generation: Generation) -> dict:
-        try:
-            batch = await _result(generation)
-        finally:
-            generation.cancel()  # a no-op once it is over; else the client left: stop its work
-        choices = self._choices(request, prepared, batch)
-        self._record(request, choices)
+    async def complete(self, request: Request, prepared: Prepared, generation: Generation | None) -> dict:
+        outcome = await self.outcome(request, prepared, generation)
         rid, created = _ids(request)
         build = chat_response if request.kind == "chat" else completion_response
-        return build(request, rid, created, self.model_name, choices, prepared.detok,
-                     int(batch.stats.get("reused_tokens", 0)))
+        return build(request, rid, created, self.model_name, outcome.choices, prepared.detok, outcome.cached_tokens,
+                     outcome.prompt_scores)
+
+    async def outcome(self, request: Request, prepared: Prepared, generation: Generation | None) -> "Outcome":
+        """The request's choices (recorded under its episode), once its generation is over, and its prompt scores."""
+        if generation is None:  # max_tokens 0
+            choices, cached = self._empty_choices(request, prepared), 0
+        else:
+            try:
+                batch = await _result(generation)
+            finally:
+                generation.cancel()  # a no-op once it is over; else the client left: stop its work
+            choices, cached = self._choices(request, prepared, batch), int(batch.stats.get("reused_tokens", 0))
+            self._record(request, choices)
+        return Outcome(choices, cached, await self._prompt_scores(request, prepared))
+
+    async def _prompt_scores(self, request: Request, prepared: Prepared) -> list[PromptScores] | None:
+        if not request.scores_prompt:
+            return None
+        if self.scorer is None:
+            raise bad_request("prompt_logprobs" if request.prompt_logprobs is not None else "echo",
+                              "this server has no scorer for prompt logprobs. Fix: serve a RolloutWorker or "
+                              "RolloutFleet (their score(...) computes them)")
+        top_k = max(request.top_logprobs if request.echo else 0, request.prompt_logprobs or 0)
+        return await self.scorer.score(prepared.prompts, request.temperature, top_k)
+
+    @staticmethod
+    def _empty_choices(request: Request, prepared: Prepared) -> list[Choice]:
+        """max_tokens 0: each prompt's n choices without a token (finish_reason "length", as OpenAI answers)."""
+        return [Choice(i, list(prepared.prompts[i // request.n]), [], [], [], [], "length", "",
+                       message={"role": "assistant", "content": ""} if request.kind == "chat" else None)
+                for i in range(request.n * len(prepared.prompts))]
 
     async def stream(self, request: Request, prepared: Prepared, generation: Generation) -> AsyncIterator[dict | str]:
         rid, created = _ids(request)
