@@ -83,7 +83,8 @@ class RolloutRecord:
         if completion_ids.size(0) != len(self.completion_ids):
             return False
         ids = completion_ids.tolist()
-        return all(len(row) <= len(got) and got[: len(row)] == row for row, got in zip(self.completion_ids, ids, strict=True))
+        pairs = zip(self.completion_ids, ids, strict=True)
+        return all(len(row) <= len(got) and got[: len(row)] == row for row, got in pairs)
 
 
 class OldLogprobsPolicy:
