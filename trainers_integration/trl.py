@@ -147,10 +147,11 @@ def _trainer_class():
         logprobs are the trainer's (rows of the version the trainer holds, last measured gap <= tolerance), they
         serve as TRL's old logprobs and TRL runs neither its recompute forward nor its importance-sampling
         correction: on-policy and aligned, TRL's loss takes `per_token_logps.detach()` as it does without vLLM;
-        with `num_iterations > 1` or misaligned `steps_per_generation`, TRL's recompute call returns the rollout's
-        logprobs (the generating weights' own) instead of running. Otherwise (stale rows, a check step, a failed
-        check, TRL's tool loop, `OldLogprobs(source="trainer")`) TRL runs its forward and, with
-        `vllm_importance_sampling_*` on (the default), its correction against the rollout's sampling logprobs.
+        misaligned (`gradient_accumulation_steps` not a multiple of `steps_per_generation * num_iterations`), TRL's
+        recompute call returns the rollout's logprobs (the generating weights' own) instead of running. Otherwise
+        (stale rows, a check step, a failed check, TRL's tool loop, `OldLogprobs(source="trainer")`) TRL runs its
+        forward and, with `vllm_importance_sampling_*` on (the default), its correction against the rollout's
+        sampling logprobs.
         Metrics: `rollout/old_logprobs_from_rollout` (1 per batch served, 0 per forward), `rollout/logprob_gap/
         {max,mean}` (trainer forward vs rollout logprobs, on current rows), and TRL's `sampling/*` when corrected.
 
@@ -203,7 +204,7 @@ def _trainer_class():
         def _decide(self) -> None:
             """After generation, before TRL scores the batch: does TRL's forward run (use_vllm reads True: TRL's
             recompute and correction), or do the rollout's logprobs serve (armed for TRL's recompute call when
-            TRL makes one: num_iterations > 1 or misaligned steps_per_generation)?"""
+            TRL makes one: misaligned generation and optimizer steps)?"""
             record = self._record
             reason = self._policy.reason(int(self.state.global_step), record is not None and record.current,
                                          tools=bool(getattr(self, "tools", None)))

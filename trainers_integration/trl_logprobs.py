@@ -1,8 +1,8 @@
 """Where RolloutGRPOTrainer's old logprobs come from: the rollout's own, or TRL's recompute forward.
 
 TRL 1.16 (`GRPOTrainer._generate_and_score_completions`) runs a no-grad forward of the whole generation batch for its
-"old" logprobs when generation and optimizer steps are misaligned (`num_iterations > 1`, or `steps_per_generation`
-not dividing `gradient_accumulation_steps`) and whenever its vLLM importance-sampling correction is on. A rollout
+"old" logprobs when generation and optimizer steps are misaligned (`gradient_accumulation_steps` not a multiple of
+`steps_per_generation * num_iterations`) and whenever its vLLM importance-sampling correction is on. A rollout
 that shares the trainer's weights (same version, fp32, same device) already holds those logprobs: its `logprobs`
 are log_softmax(logits / T) of the generating weights, equal to that forward to <= 1e-5. So the forward is needed
 only where the two can differ:
