@@ -190,7 +190,7 @@ def test_demo_lora_learns(tmp_path, capsys):
 def test_trl_with_peft_config_shares_in_place_or_syncs_adapters_only(tiny_path, tmp_path, monkeypatch, shared):
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
-    from trainers_integration.trl import RolloutGRPOTrainer
+    from trainers_integration.trl import OldLogprobs, RolloutGRPOTrainer
 
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
@@ -209,7 +209,8 @@ def test_trl_with_peft_config_shares_in_place_or_syncs_adapters_only(tiny_path, 
         worker.update_weights = lambda weights, **kw: pushed.append(set(weights)) or update(weights, **kw)
         trainer = RolloutGRPOTrainer(model=model, rollouts=worker, reward_funcs=lambda completions, **kw: [
             sum(ch.isdigit() for ch in c) / 8 for c in completions], args=args, train_dataset=dataset,
-            processing_class=tok, peft_config=config)
+            processing_class=tok, peft_config=config,
+            old_logprobs=OldLogprobs(check_every=1))  # TRL's forward and correction on every step: the gaps below
         trainer.train()
         policy = trainer.accelerator.unwrap_model(trainer.model)
         assert isinstance(policy, peft.PeftModel) and shares_model(worker, policy) == shared
