@@ -139,7 +139,7 @@ class RolloutFleet:
         token_lists, params = prepare_call(prompts, sampling, self.tokenizer, chat_template, self.vocab_size,
                                            self.max_context, self.max_request_tokens)
         limit = min(self.max_context or self.max_request_tokens, self.max_request_tokens)
-        budgets = [p.max_new_tokens if spec is None else spec.budget(len(ids), limit, f"prompt {i}")
+        budgets = [p.max_new_tokens if spec is None else spec.budget(len(ids), limit, i)
                    for i, (ids, p) in enumerate(zip(token_lists, params))]
         cancel, groups = threading.Event(), Groups(len(token_lists))
         future = self._calls.submit(self._run_call, token_lists, params, budgets, spec, timeout, cancel, groups)
