@@ -311,7 +311,8 @@ def test_model_error_keeps_the_rows_before_the_bad_line(tmp_path):
 
 
 def test_a_model_error_that_names_no_line_is_not_pinned_on_one(tmp_path):
-    """Only an InvalidArgument's index locates a line: a plain ValueError that reads like the worker's is the chunk's."""
+    """Only an InvalidArgument's index locates a line: a plain ValueError that reads like the worker's is the
+    chunk's."""
     src, dst = write_jsonl(tmp_path / "in.jsonl", [{"x": i} for i in range(4)]), tmp_path / "out.jsonl"
 
     def process(chunk):

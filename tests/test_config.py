@@ -70,7 +70,8 @@ def test_an_invalid_argument_carries_its_parts_and_its_message_is_the_documented
     assert str(error) == "prompt 3: max_new_tokens=9 is invalid: too long. Fix: shorten it."
     assert error.detail == "max_new_tokens=9 is invalid: too long. Fix: shorten it."
     unlocated = invalid("top_p", 1.5, "must be in (0, 1]", "use 1.0 to disable top-p")
-    assert str(unlocated) == unlocated.detail == "top_p=1.5 is invalid: must be in (0, 1]. Fix: use 1.0 to disable top-p."
+    assert str(unlocated) == unlocated.detail == "top_p=1.5 is invalid: must be in (0, 1]. Fix: use 1.0 to disable " \
+        "top-p."
     assert (unlocated.where, unlocated.index) == ("", None)
     with pytest.raises(InvalidArgument) as raised:
         SamplingParams(top_k=-1)
