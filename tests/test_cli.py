@@ -20,6 +20,7 @@ import torch
 from conftest import reference_logprobs
 
 from rollout import __version__, cli
+from rollout.base.errors import invalid
 from rollout.cli import jsonl, records
 from rollout.cli.jsonl import FieldError, Job, JsonlError, Stats
 
@@ -257,7 +258,8 @@ def test_the_progress_bar_shows_the_engines_tok_s_and_kv_use(monkeypatch):
 
 # ---------------------------------------------------------------------------------------------- jsonl driver
 def fake_job(src: Path, dst: Path, calls: list, fail_on: str | None = None, **kwargs) -> Job:
-    """Doubles `x`; raises the worker's kind of ValueError ("prompt N: field=...") for the record with x == fail_on."""
+    """Doubles `x`; raises the worker's InvalidArgument ("prompt N: field=...", index N) for the record with
+    x == fail_on."""
     def check(data: dict) -> None:
         if not isinstance(data.get("x"), int):
             raise FieldError("x", "must be an int")
@@ -266,7 +268,7 @@ def fake_job(src: Path, dst: Path, calls: list, fail_on: str | None = None, **kw
         calls.append([r.data["x"] for r in chunk])
         for i, r in enumerate(chunk):
             if r.data["x"] == fail_on:
-                raise ValueError(f"prompt {i}: max_new_tokens=9 is invalid: too long. Fix: shorten it.")
+                raise invalid("max_new_tokens", 9, "too long", "shorten it", f"prompt {i}", i)
         return [dict(r.data, y=2 * r.data["x"]) for r in chunk], len(chunk)
 
     return Job(str(src), str(dst), check, lambda: process, progress=False, **kwargs)
@@ -306,6 +308,36 @@ def test_model_error_keeps_the_rows_before_the_bad_line(tmp_path):
     assert (error.value.line, error.value.field) == (6, "max_new_tokens")
     assert str(error.value).startswith(f"{src}:6: field max_new_tokens: max_new_tokens=9 is invalid")
     assert calls == [[0, 1, 2], [3, 4, 5], [3, 4]] and [r["x"] for r in read_jsonl(dst)] == [0, 1, 2, 3, 4]
+
+
+def test_a_model_error_that_names_no_line_is_not_pinned_on_one(tmp_path):
+    """Only an InvalidArgument's index locates a line: a plain ValueError that reads like the worker's is the
+    chunk's."""
+    src, dst = write_jsonl(tmp_path / "in.jsonl", [{"x": i} for i in range(4)]), tmp_path / "out.jsonl"
+
+    def process(chunk):
+        if any(r.data["x"] == 3 for r in chunk):
+            raise ValueError("prompt 1: max_new_tokens=9 is what the tokenizer said")
+        return [dict(r.data, y=0) for r in chunk], len(chunk)
+
+    job = Job(str(src), str(dst), lambda data: None, lambda: process, batch_size=2, progress=False)
+    with pytest.raises(JsonlError) as error:
+        jsonl.run(job, Stats())
+    assert (error.value.line, error.value.field) == (None, None)
+    assert str(error.value) == f"{src}: lines 3-4: prompt 1: max_new_tokens=9 is what the tokenizer said"
+    assert [r["x"] for r in read_jsonl(dst)] == [0, 1]  # the chunk before; nothing of the failed one
+
+
+def test_score_pins_a_refused_pair_on_its_line_and_names_the_field_the_line_used(tiny_path, tmp_path, capsys):
+    pairs = [{"id": 0, "prompt_ids": [1, 2], "completion_ids": [3]},
+             {"id": 1, "prompt_ids": [4], "completion_ids": [5]},
+             {"id": 2, "prompt_ids": [6], "completion_ids": [7, 10**6]}]
+    src, dst = write_jsonl(tmp_path / "in.jsonl", pairs), tmp_path / "out.jsonl"
+    code, err = call(["score", src, dst, "--model", tiny_path, "--no-progress"], capsys)
+    assert code == 2, err
+    assert f"rollout: error: {src}:3: field completion_ids: completion='token id 1000000 at position 1' is invalid: " \
+           "ids must be in [0, 512)" in err  # after the loading bar
+    assert [r["id"] for r in read_jsonl(dst)] == [0, 1]
 
 
 def test_bad_field_found_by_prevalidation_before_the_model_loads(tmp_path):

@@ -250,6 +250,39 @@ def test_a_bad_prompt_is_refused_by_name_and_the_others_are_kept(own):
     assert sorted(set(batch.prompt_index.tolist())) == [0, 1, 2, 4, 5, 6]
 
 
+class OverRay:
+    """A Rollouts whose refusals come back as Ray relays an actor's error: a RayTaskError(InvalidArgument), whose
+    message starts with the remote call's traceback (not with "prompt N: ") and whose attributes are the error's."""
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+
+    def __getattr__(self, name: str):
+        return getattr(self.worker, name)
+
+    def submit(self, *args, **kwargs):
+        from ray.exceptions import RayTaskError
+
+        from rollout import InvalidArgument
+
+        try:
+            return self.worker.submit(*args, **kwargs)
+        except InvalidArgument as error:
+            raise RayTaskError("RolloutActor.submit", f"Traceback (most recent call last): ...\n{error!r}",
+                               error).as_instanceof_cause() from None
+
+
+def test_the_refused_prompt_is_found_by_its_index_whatever_the_message_says(own):
+    pytest.importorskip("ray")
+    prompts = prompts_of(2) + [[1, 100000]] + prompts_of(2, seed=5)
+    with RolloutCollector(OverRay(own), prompts, LONG, over_sample=1.0) as collector:
+        with pytest.raises(ValueError, match="prompt_index 2 of the prompt stream .dropped."):
+            collector.next_batch(5)
+        batch = collector.next_batch(4)  # exactly that prompt was dropped: the others come
+    assert sorted(set(batch.prompt_index.tolist())) == [0, 1, 3, 4]
+    assert len(collector.errors) == 1 and "prompt_index 2 " in collector.errors[0]
+
+
 def test_a_dry_prompt_source_returns_what_it_has_then_raises(own):
     with RolloutCollector(own, prompts_of(5), LONG, over_sample=2.0) as collector:  # a list is used once
         first = collector.next_batch(3)

@@ -1,12 +1,15 @@
-"""SamplingParams and WorkerConfig reject bad values at construction, naming field, value, rule and fix."""
+"""SamplingParams and WorkerConfig reject bad values at construction, naming field, value, rule and fix; the
+InvalidArgument they raise carries those as attributes, and keeps them across a pickle (a Ray actor's boundary)."""
 
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import pytest
 
-from rollout import SamplingParams, WorkerConfig
+from rollout import InvalidArgument, SamplingParams, WorkerConfig
+from rollout.base.errors import invalid, preview
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -57,3 +60,30 @@ def test_sampling_params_are_frozen_and_normalise_stop_ids():
 def test_bad_worker_config_values_are_value_errors_naming_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
         WorkerConfig(**kwargs)
+
+
+def test_an_invalid_argument_carries_its_parts_and_its_message_is_the_documented_one():
+    error = invalid("max_new_tokens", 9, "too long", "shorten it", "prompt 3", 3)
+    assert isinstance(error, ValueError)
+    assert (error.field, error.value, error.rule, error.fix, error.where, error.index) == (
+        "max_new_tokens", 9, "too long", "shorten it", "prompt 3", 3)
+    assert str(error) == "prompt 3: max_new_tokens=9 is invalid: too long. Fix: shorten it."
+    assert error.detail == "max_new_tokens=9 is invalid: too long. Fix: shorten it."
+    unlocated = invalid("top_p", 1.5, "must be in (0, 1]", "use 1.0 to disable top-p")
+    assert str(unlocated) == unlocated.detail == "top_p=1.5 is invalid: must be in (0, 1]. Fix: use 1.0 to disable " \
+        "top-p."
+    assert (unlocated.where, unlocated.index) == ("", None)
+    with pytest.raises(InvalidArgument) as raised:
+        SamplingParams(top_k=-1)
+    assert (raised.value.field, raised.value.value, raised.value.index) == ("top_k", -1, None)
+    with pytest.raises(InvalidArgument) as raised:
+        WorkerConfig(in_flight="drop")
+    assert (raised.value.field, raised.value.value) == ("in_flight", "drop")
+
+
+def test_an_invalid_argument_pickles_with_every_attribute():
+    error = invalid("prompt", preview(list(range(100))), "ids must be in [0, 512)", "tokenize it", "prompt 7", 7)
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is InvalidArgument and str(back) == str(error)
+    assert (back.field, repr(back.value), back.rule, back.fix, back.where, back.index) == (
+        "prompt", repr(error.value), error.rule, error.fix, "prompt 7", 7)

@@ -181,6 +181,16 @@ def test_bad_fleet_arguments_fail_before_ray_starts(tiny_path):
     assert FleetResources().cpus(2, 2) == 0.5 and FleetResources().strategy() is None
 
 
+def test_an_invalid_argument_raised_in_an_actor_keeps_its_type_and_attributes_through_rays_wrapper():
+    from rollout import InvalidArgument
+    from rollout.base.errors import invalid
+
+    cause = invalid("prompt", "token id 600", "ids must be in [0, 512)", "tokenize it", "prompt 2", 2)
+    relayed = ray.exceptions.RayTaskError("FleetActor.generate", "Traceback ...", cause).as_instanceof_cause()
+    assert isinstance(relayed, InvalidArgument) and not str(relayed).startswith("prompt 2: ")
+    assert (relayed.field, relayed.index, relayed.detail) == ("prompt", 2, cause.detail)
+
+
 # ---------------------------------------------------------------------- a real fleet
 @pytest.fixture(scope="module")
 def fleet(tiny_path):
@@ -317,6 +327,24 @@ def test_score_splits_pairs_across_actors_in_input_order(fleet, local):
         assert torch.equal(ids, ids0) and torch.equal(ranks, ranks0) and torch.allclose(values, values0, atol=TOL)
     with pytest.raises(ValueError, match="LlamaForCausalLM: it has no mixture-of-experts router"):
         fleet.score(prompts, completions, return_routing=True)  # refused before any pair is scored
+
+
+def test_a_bad_pair_is_refused_on_the_callers_side_with_its_own_index(fleet, local):
+    pytest.importorskip("rollout.scoring")
+    from rollout import InvalidArgument
+    from rollout.scoring import score
+
+    calls = [s["num_calls"] for s in _stats(fleet)]
+    prompts = [prompt_of(3 + i, 70 + i) for i in range(6)]
+    completions = [prompt_of(2, 80 + i) for i in range(6)]
+    completions[4] = [7, 600]  # outside the vocabulary; on an actor it would be pair 0, 1 or 2 of its chunk
+    with pytest.raises(InvalidArgument) as expected:
+        score(local, prompts, completions)
+    with pytest.raises(InvalidArgument) as got:
+        fleet.score(prompts, completions)
+    assert type(got.value) is InvalidArgument and str(got.value) == str(expected.value)
+    assert (got.value.field, got.value.index) == ("completion", 4)
+    assert [s["num_calls"] for s in _stats(fleet)] == calls  # no actor was touched
 
 
 def test_episodes_run_on_the_actors_with_the_calls_own_prompt_indices(fleet, local):

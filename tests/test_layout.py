@@ -91,7 +91,7 @@ ALLOWED = {
     "scoring": {"base", "moe", "model"},
     "collector": {"base", "model"},  # a worker or a fleet only through the Rollouts contract
     "worker": {"base", "moe", "engine", "model", "metrics", "scoring"},
-    "fleet": {"base", "moe", "model", "metrics", "worker"},  # never the engine's internals
+    "fleet": {"base", "moe", "model", "metrics", "worker", "scoring"},  # never the engine's internals
     "server": {"base", "model"},  # any Rollouts, worker or fleet, through the contract
     "cli": {"(top)", "base", "model", "metrics", "scoring", "worker", "fleet", "server"},
     "testing": set(),

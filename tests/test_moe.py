@@ -321,9 +321,14 @@ def test_replay_rejects_a_mismatch_before_any_forward(moe, moe_paths):
         with replay_routing(other, batch):
             pass
     unrecorded = RolloutBatch.from_rows([dict_row(r) for r in batch.rows()])
-    with pytest.raises(ValueError, match="batch.routing=None"):
+    with pytest.raises(ValueError, match="batch.routing=None") as refused:
         with replay_routing(model, unrecorded):
             pass
+    assert (refused.value.field, refused.value.value) == ("batch.routing", None)  # a nested field, dotted
+    with pytest.raises(ValueError, match=r"rows=\[5\] is invalid") as refused:
+        with replay_routing(model, batch, rows=[5]):
+            pass
+    assert (refused.value.field, refused.value.value) == ("rows", [5])
     short = RolloutBatch.from_rows(batch.rows())
     short = RolloutBatch(**{**short.__dict__, "routing": Routing(
         short.routing.layers, short.routing.num_experts, short.routing.top_k,

@@ -9,7 +9,8 @@ import torch
 
 from conftest import reference_logprobs
 from rollout.scoring.packing import Pair, batches, block_causal_mask, build_pack
-from rollout.scoring import TokenScores, score, score_details, score_iter
+from rollout import InvalidArgument
+from rollout.scoring import TokenScores, check_pairs, score, score_details, score_iter
 
 ATOL = 1e-5  # fp32 on CPU; a plain forward disagrees with itself by ~4e-6 when its length changes (measured)
 
@@ -225,6 +226,40 @@ def test_invalid_options_raise_with_the_fix(tiny, kwargs, message):
     model, _ = tiny
     with pytest.raises(ValueError, match=message):
         score_details(model, [[1], [2]], [[3], [4]], **kwargs)
+
+
+@pytest.mark.parametrize("prompts, completions, temperature, field, index", [
+    ([[1, 2], [3], []], [[3], [4], [5]], 1.0, "prompt", 2),
+    ([[1], [2]], [[3], [4, 512]], 1.0, "completion", 1),
+    ([[1], [1] * 1000], [[2], [2] * 25], 1.0, "prompt+completion", 1),
+    ([[1], [2], [3]], [[3], [4], [5]], [1.0, 1.0, -1.0], "temperature", 2),
+    ([[1], [2]], [[3]], 1.0, "completions", None),
+])
+def test_a_refused_pair_carries_its_index_and_a_meta_device_copy_refuses_it_alike(tiny, prompts, completions,
+                                                                                   temperature, field, index):
+    from transformers import AutoModelForCausalLM
+
+    model, _ = tiny
+    with pytest.raises(InvalidArgument) as scored:
+        score(model, prompts, completions, temperature)
+    assert (scored.value.field, scored.value.index) == (field, index)
+    assert scored.value.where == ("" if index is None else f"pair {index}")
+    with torch.device("meta"):  # what a fleet holds on the caller's side: shapes, no weights
+        meta = AutoModelForCausalLM.from_config(model.config)
+    with pytest.raises(InvalidArgument) as checked:
+        check_pairs(meta, prompts, completions, temperature)
+    assert str(checked.value) == str(scored.value) and checked.value.index == index
+
+
+def test_check_pairs_gives_the_token_ids_and_temperatures_score_would_use(tiny):
+    model, tokenizer = tiny
+    pairs = check_pairs(model, ["count the cats", [4, 5]], [[6], " one two"], [0.0, 0.7], tokenizer)
+    assert [p.index for p in pairs] == [0, 1] and [p.temperature for p in pairs] == [0.0, 0.7]
+    assert pairs[0].prompt == tuple(tokenizer("count the cats", add_special_tokens=False)["input_ids"])
+    assert pairs[1] == Pair(1, (4, 5), tuple(tokenizer(" one two", add_special_tokens=False)["input_ids"]), 0.7)
+    with pytest.raises(InvalidArgument, match=r"^pair 1: pair='not a pair' is invalid") as refused:
+        list(score_iter(model, [([1], [2]), "not a pair"]))
+    assert (refused.value.field, refused.value.index) == ("pair", 1)
 
 
 # ---------------------------------------------------------------------------------------------- inputs and outputs

@@ -350,6 +350,23 @@ def test_bad_requests_are_openai_errors_and_submit_nothing(served):
     assert chat(client, max_tokens=2).choices[0].finish_reason in ("stop", "length")  # and it still serves
 
 
+def test_a_400_names_the_parameter_from_the_errors_field_not_from_its_text():
+    from rollout.base.errors import invalid
+    from rollout.server.errors import from_value_error
+    from rollout.server.service import API_NAMES
+
+    located = from_value_error(invalid("max_new_tokens", 9, "too long", "shorten it", "prompt 0", 0), API_NAMES)
+    assert (located.status, located.param) == (400, "max_tokens")  # rollout's name mapped to the request's
+    assert located.message == "prompt 0: max_tokens=9 is invalid: too long. Fix: shorten it."
+    nested = invalid("tokenizer.chat_template", None, "tool results are rendered with it", "set one")
+    assert from_value_error(nested, API_NAMES).param == "tokenizer.chat_template"
+    assert from_value_error(invalid("prompt+completion", "9 tokens", "too long", "cut it", "pair 0", 0)).param == \
+        "prompt+completion"
+    plain = ValueError("record_routing=True is invalid for LlamaForCausalLM: it has no mixture-of-experts router")
+    unnamed = from_value_error(plain, API_NAMES)  # reads like a field, but names no request parameter
+    assert (unnamed.status, unnamed.param, unnamed.message) == (400, None, str(plain))
+
+
 def wait_until(condition, timeout: float = 20.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

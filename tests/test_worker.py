@@ -222,6 +222,43 @@ def test_more_alternatives_than_the_vocabulary_has_are_refused_naming_the_field(
         check_prompt([1, 2], SamplingParams(top_logprobs=5), 0, vocab_size=4, max_context=None, max_request_tokens=99)
 
 
+@pytest.mark.parametrize("prompts, sampling, field, index", [
+    ([[1, 2], [3], []], None, "prompt", 2),
+    ([[1, 2], [3, 10**6]], None, "prompt", 1),
+    ([[1], [2], "text"], None, "prompt", 2),  # no tokenizer
+    ([[1], [2]], [SamplingParams(), "greedy"], "sampling", 1),
+    ([[1], [1] * 1020], SamplingParams(max_new_tokens=8), "max_new_tokens", 1),
+    ([[1], [2]], [SamplingParams(), SamplingParams(stop_token_ids=[600])], "stop_token_ids", 1),
+    ([[1], [2]], [SamplingParams(), SamplingParams()], None, None),
+    ([[1], [2]], [SamplingParams()], "sampling", None),  # the call's, not one prompt's
+])
+def test_a_refused_prompt_is_an_invalid_argument_carrying_its_index(prompts, sampling, field, index):
+    from rollout import InvalidArgument
+    from rollout.worker.validation import prepare_call
+
+    def call():
+        return prepare_call(prompts, sampling, None, False, vocab_size=512, max_context=1024, max_request_tokens=2048)
+
+    if field is None:
+        assert len(call()[0]) == len(prompts)
+        return
+    with pytest.raises(InvalidArgument) as refused:
+        call()
+    error = refused.value
+    assert (error.field, error.index) == (field, index)
+    assert error.where == ("" if index is None else f"prompt {index}") and str(error).startswith(error.where)
+
+
+def test_an_episode_too_long_for_one_request_is_refused_with_its_prompts_index():
+    from rollout import EpisodeSpec, InvalidArgument
+
+    spec = EpisodeSpec(env=lambda prompt_index, sample_index: None, max_episode_tokens=50)
+    assert spec.budget(10, 64, 0) == 50
+    with pytest.raises(InvalidArgument, match=r"^prompt 3: max_episode_tokens=50 is invalid") as refused:
+        spec.budget(20, 64, 3)
+    assert (refused.value.field, refused.value.index) == ("max_episode_tokens", 3)
+
+
 def test_empty_call_returns_an_empty_batch(shared):
     batch = shared.generate([])
     assert len(batch) == 0 and batch.completion_ids.shape == (0, 0)

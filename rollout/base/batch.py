@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .errors import invalid
 from .routing import Routing
 
 
@@ -213,8 +214,8 @@ class RolloutBatch:
     def _tokenizer(self, tokenizer: Any) -> Any:
         tok = tokenizer if tokenizer is not None else self.tokenizer
         if tok is None:
-            raise ValueError("tokenizer=None is invalid: decoding needs a tokenizer. Fix: pass tokenizer=... here or "
-                             "to RolloutWorker.")
+            raise invalid("tokenizer", None, "decoding needs a tokenizer",
+                          "pass tokenizer=... here or to RolloutWorker")
         return tok
 
 

@@ -128,9 +128,9 @@ class EpisodeSpec:
         return dict(env=self.env, max_turns=self.max_turns, max_episode_tokens=self.max_episode_tokens,
                     env_timeout=self.env_timeout)
 
-    def budget(self, prompt_len: int, limit: int, where: str) -> int:
-        """The completion budget of an episode whose prompt has `prompt_len` tokens, when one request may hold
-        `limit` tokens (the model context and the KV cache)."""
+    def budget(self, prompt_len: int, limit: int, index: int) -> int:
+        """The completion budget of an episode whose prompt (prompt `index` of its call) has `prompt_len` tokens,
+        when one request may hold `limit` tokens (the model context and the KV cache)."""
         room = limit - prompt_len
         if self.max_episode_tokens is None:
             return room
@@ -138,5 +138,5 @@ class EpisodeSpec:
             raise invalid("max_episode_tokens", self.max_episode_tokens,
                           f"prompt length {prompt_len} + max_episode_tokens exceeds what one request may hold "
                           f"({limit} tokens: the model context and the KV cache)",
-                          f"use max_episode_tokens <= {room}, None, or a larger KV cache", where)
+                          f"use max_episode_tokens <= {room}, None, or a larger KV cache", f"prompt {index}", index)
         return self.max_episode_tokens

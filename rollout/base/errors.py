@@ -16,9 +16,13 @@ class InvalidArgument(ValueError):
 
     def __init__(self, field: str, value: object, rule: str, fix: str, where: str = "",
                  index: int | None = None) -> None:
-        prefix = f"{where}: " if where else ""
-        super().__init__(f"{prefix}{field}={value!r} is invalid: {rule}. Fix: {fix}.")
         self.field, self.value, self.rule, self.fix, self.where, self.index = field, value, rule, fix, where, index
+        super().__init__(f"{where}: {self.detail}" if where else self.detail)
+
+    @property
+    def detail(self) -> str:
+        """The message without its location: `field=value is invalid: rule. Fix: fix.`"""
+        return f"{self.field}={self.value!r} is invalid: {self.rule}. Fix: {self.fix}."
 
     def __reduce__(self):  # crosses processes (Ray actors) with its attributes
         return InvalidArgument, (self.field, self.value, self.rule, self.fix, self.where, self.index)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import re
 import stat
 import sys
 import threading
@@ -27,6 +26,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from ..base.errors import InvalidArgument
 
 READ_BLOCK = 1 << 20  # bytes read at a time when scanning an existing output
 LIVE_S = 1.0  # how often the progress bar's live status is refreshed
@@ -253,20 +254,16 @@ def checked(check: Check, record: Record, path: str) -> None:
         raise JsonlError(path, record.line, e.field, e.message) from None
 
 
-_WHERE = re.compile(r"\b(?:prompt|pair) (\d+): ([\w+.]+)=")
-
-
 def locate(error: ValueError, chunk: list[Record], path: str) -> tuple[int, JsonlError]:
-    """Map a ValueError naming "prompt N" / "pair N" (N within the chunk) to (N, a JsonlError on that line)."""
-    text = str(error)
-    match = _WHERE.search(text)
-    if match is None or int(match.group(1)) >= len(chunk):
-        return 0, JsonlError(path, None, None, f"lines {chunk[0].line}-{chunk[-1].line}: {text}")
-    index, field = int(match.group(1)), match.group(2)
-    record = chunk[index]
+    """Map an InvalidArgument located at `index` N of the call ("prompt N" / "pair N", N within the chunk) to
+    (N, a JsonlError on that line naming its field); any other ValueError to (0, an error on the chunk's lines)."""
+    index = error.index if isinstance(error, InvalidArgument) else None
+    if index is None or not 0 <= index < len(chunk):
+        return 0, JsonlError(path, None, None, f"lines {chunk[0].line}-{chunk[-1].line}: {error}")
+    record, field = chunk[index], error.field
     if field not in record.data and f"{field}_ids" in record.data:  # e.g. "completion" given as completion_ids
         field = f"{field}_ids"
-    return index, JsonlError(path, record.line, field, text[match.start(2):])
+    return index, JsonlError(path, record.line, field, error.detail)
 
 
 def _commit(writer: Writer, stats: Stats, bar, begin: float, rows: list[dict], tokens: int,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..base.errors import preview
+from ..base.errors import InvalidArgument, preview
 from ..base.params import UNSUPPORTED, SamplingParams
 from .jsonl import FieldError, Record
 
@@ -122,11 +122,9 @@ def floats(values) -> list[float]:
 
 
 def field_of(error: Exception) -> str:
-    """The field a `[where: ]field=value is invalid: ...` message names."""
-    import re
-
-    match = re.match(r"(?:\w+ \d+: )?(\w+)=", str(error))
-    return match.group(1) if match else "sampling"
+    """The field an InvalidArgument names; "sampling" for any other error (e.g. SamplingParams' TypeError for an
+    unknown keyword)."""
+    return error.field if isinstance(error, InvalidArgument) else "sampling"
 
 
 def _check_one_of(data: dict, name: str) -> None:

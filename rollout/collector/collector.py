@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import threading
 import time
 from collections import deque
@@ -57,7 +56,7 @@ import torch
 
 from ..base.batch import RolloutBatch, rewards_tensor
 from ..base.env import EnvFactory, EpisodeSpec
-from ..base.errors import check_int, invalid, preview
+from ..base.errors import InvalidArgument, check_int, invalid, preview
 from ..base.params import SamplingParams
 from ..base.rollouts import Rollouts
 from ..model.loading import pad_token_id
@@ -239,8 +238,8 @@ class RolloutCollector:
         wave.thread.start()
 
     def _refused(self, groups: list[PromptGroup], error: ValueError) -> ValueError:
-        match = re.match(r"prompt (\d+): ", str(error))
-        bad = int(match.group(1)) if match and int(match.group(1)) < len(groups) else None
+        index = error.index if isinstance(error, InvalidArgument) else None  # the refused prompt's place in the wave
+        bad = index if index is not None and 0 <= index < len(groups) else None
         self._source.put_back([g for i, g in enumerate(groups) if i != bad])
         where = f"prompt_index {groups[bad].draw} of the prompt stream (dropped)" if bad is not None else \
             f"one of prompt_index {groups[0].draw}..{groups[-1].draw} of the prompt stream"

@@ -1,7 +1,8 @@
 """The fleet layer: RolloutWorker's API on a pool of Ray actors.
 
 Owns every Ray import in the package (tests/test_layout.py checks it). May import the worker layer (`rollout.worker`
-and the leaf modules below it), never the engine's internals directly. Files: `fleet.py` (RolloutFleet: dispatch,
+and the leaf modules below it) and `rollout.scoring` (to check score pairs on the caller's side), never the engine's
+internals directly. Files: `fleet.py` (RolloutFleet: dispatch,
 recovery), `future.py` (FleetFuture: a submitted call, its groups streamed as they finish), `actor.py` (the actor
 around one worker), `dispatch.py` (token-load dispatch), `resources.py` (placement),
 `transport.py` (how weight updates reach the actors: the `WeightTransport` interface, the object store and the

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..base.errors import invalid
+
 BACKENDS = ("gloo", "nccl")
 
 
@@ -88,8 +90,8 @@ class WeightGroup:
 
     def __init__(self, backend: str, host: str, port: int, rank: int, world_size: int, timeout_s: float = 300) -> None:
         if backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r} is invalid: must be one of {BACKENDS}. Fix: use 'nccl' for GPU "
-                             "actors, 'gloo' for CPU actors.")
+            raise invalid("backend", backend, f"must be one of {BACKENDS}",
+                          "use 'nccl' for GPU actors, 'gloo' for CPU actors")
         timeout = datetime.timedelta(seconds=timeout_s)
         self.backend, self.rank, self.world_size = backend, rank, world_size
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

@@ -5,8 +5,9 @@
         fleet.update_weights(state_dict, version=step)
 
 Contract:
-- Requests and updates are validated here, on the caller's side, with the worker's own checks (against a meta-device
-  copy of the model: names and shapes, no memory), before any actor is touched.
+- Requests and updates are validated here, on the caller's side, with the worker's own checks (score's pairs with
+  rollout.scoring's; against a meta-device copy of the model: names and shapes, no memory), before any actor is
+  touched: a bad request is the worker's InvalidArgument, with the call's own `index`.
 - generate spreads prompts by outstanding token load (dispatch.py); the n samples of a prompt stay on one actor;
   rows come back prompt-major with global prompt_index, as one RolloutWorker returns them.
 - An actor that dies is replaced: its unfinished prompts run on the others meanwhile; the replacement is brought to
@@ -142,7 +143,7 @@ class RolloutFleet:
         token_lists, params = prepare_call(prompts, sampling, self.tokenizer, chat_template, self.vocab_size,
                                            self.max_context, self.max_request_tokens)
         limit = min(self.max_context or self.max_request_tokens, self.max_request_tokens)
-        budgets = [p.max_new_tokens if spec is None else spec.budget(len(ids), limit, f"prompt {i}")
+        budgets = [p.max_new_tokens if spec is None else spec.budget(len(ids), limit, i)
                    for i, (ids, p) in enumerate(zip(token_lists, params))]
         cancel, groups = threading.Event(), Groups(len(token_lists))
         future = self._calls.submit(self._run_call, token_lists, params, budgets, spec, timeout, cancel, groups)
@@ -188,20 +189,24 @@ class RolloutFleet:
         `return_routing=True` (mixtures of experts): `(logprobs, routing)` as `rollout.score` returns them, each
         pair's experts coming back with its logprobs (`routing.bytes_per_token` per fed token); `top_k=k`:
         `(logprobs, top)` likewise."""
+        from ..scoring import check_pairs
+
         if len(prompts) != len(completions):
             raise invalid("completions", f"{len(completions)} items", f"must be one per prompt ({len(prompts)})",
                           "pass as many completions as prompts")
+        # every pair checked here, against the meta-device copy, so a bad one is refused with its own index before
+        # any actor is touched (an actor sees only its chunk); actors get the token ids
+        pairs = check_pairs(self._shapes, prompts, completions, temperature, self.tokenizer)
         # mixtures of experts: the routers' layout first (a model without routers the recorder understands is refused
         # before any pair is scored); then each pair's experts come back beside its logprobs, a compact
         # (positions, layers, top_k) uint8 tensor
         layout = self._routing_layout() if kwargs.get("return_routing") else None
-        temps = list(temperature) if isinstance(temperature, Sequence) else None
 
         def submit(actor, jobs: list[int]):
-            temp = [temps[j] for j in jobs] if temps is not None else temperature
-            return actor.score.remote([prompts[j] for j in jobs], [completions[j] for j in jobs], temp, kwargs)
+            return actor.score.remote([list(pairs[j].prompt) for j in jobs], [list(pairs[j].completion) for j in jobs],
+                                      [pairs[j].temperature for j in jobs], kwargs)
 
-        costs = [max(1, len(p) + len(c)) for p, c in zip(prompts, completions)]
+        costs = [len(p.prompt) + len(p.completion) for p in pairs]
         scores = self._scatter(costs, submit, timeout, [1] * len(costs), "score", ("pairs", "pairs"))
         if kwargs.get("top_k"):  # (logprobs, top) as rollout.score returns them, each pair's from its actor
             return [scores[j][0] for j in range(len(costs))], [scores[j][1] for j in range(len(costs))]

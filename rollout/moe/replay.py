@@ -25,6 +25,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from ..base.errors import invalid
 from ..base.routing import Routing
 from .routers import Router, find_routers, gate_weights
 
@@ -48,14 +49,14 @@ def replay_routing(model: torch.nn.Module, batch, rows: Sequence[int] | slice | 
 def _selected(batch, rows) -> tuple[Routing, list[list[int]]]:
     routing = getattr(batch, "routing", None)
     if routing is None:
-        raise ValueError("batch.routing=None is invalid: the batch was generated without routing. Fix: generate it "
-                         "with WorkerConfig(record_routing=True) (or score(..., return_routing=True)).")
+        raise invalid("batch.routing", None, "the batch was generated without routing",
+                      "generate it with WorkerConfig(record_routing=True) (or score(..., return_routing=True))")
     index = list(range(len(batch)))[rows] if isinstance(rows, slice) else list(range(len(batch))) \
         if rows is None else [int(i) for i in rows]
     bad = [i for i in index if not 0 <= i < len(batch)]
     if bad or not index:
-        raise ValueError(f"rows={rows!r} is invalid: must pick at least one of the batch's {len(batch)} rows. Fix: "
-                         "pass indices in range (or a slice) of the micro-batch the forward runs over.")
+        raise invalid("rows", rows, f"must pick at least one of the batch's {len(batch)} rows",
+                      "pass indices in range (or a slice) of the micro-batch the forward runs over")
     lengths = batch.completion_mask.long().sum(dim=1)
     tokens = [list(batch.prompt_ids[i]) + batch.completion_ids[i, : int(lengths[i])].tolist() for i in index]
     routing = routing.select(index)

@@ -5,6 +5,6 @@ and `loading` for a checkpoint path); never the continuous-batching engine (test
 pairs into padding-free batches with a block-diagonal mask).
 """
 
-from .score import DEFAULT_MAX_BATCH_TOKENS, TokenScores, score, score_details, score_iter
+from .score import DEFAULT_MAX_BATCH_TOKENS, TokenScores, check_pairs, score, score_details, score_iter
 
-__all__ = ["DEFAULT_MAX_BATCH_TOKENS", "TokenScores", "score", "score_details", "score_iter"]
+__all__ = ["DEFAULT_MAX_BATCH_TOKENS", "TokenScores", "check_pairs", "score", "score_details", "score_iter"]

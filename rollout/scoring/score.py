@@ -95,20 +95,20 @@ def score_details(model_or_path: Any, prompts: Sequence[Any], completions: Seque
                   top_k: int = 0, return_routing: bool = False) -> list[TokenScores]:
     """`score`, plus per-token entropy and the `top_k` most likely alternatives with each token's rank (each costs one
     pass over the rows), and with `return_routing` each pair's experts (`TokenScores.routing`)."""
-    for name, value in (("prompts", prompts), ("completions", completions)):
-        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-            raise invalid(name, type(value).__name__, "must be a list with one entry per pair",
-                          "pass e.g. prompts=[[1, 2]], completions=[[3, 4]]")
-    if len(prompts) != len(completions):
-        raise invalid("completions", f"{len(completions)} completions", f"must be one per prompt ({len(prompts)})",
-                      "pass exactly one completion for each prompt")
-    temps = _temperatures(temperature, len(prompts))
+    temps = _check_lists(prompts, completions, temperature)
     model, tokenizer = load_model(model_or_path, tokenizer)
     _check_options(model, max_batch_tokens, top_k)
     routers = find_routers(model) if return_routing else None
-    limits = _limits(model)
-    pairs = [_pair(i, p, c, t, tokenizer, limits) for i, (p, c, t) in enumerate(zip(prompts, completions, temps))]
-    return list(_run(model, pairs, max_batch_tokens, entropy, top_k, routers))
+    return list(_run(model, _pairs(model, prompts, completions, temps, tokenizer), max_batch_tokens, entropy, top_k,
+                     routers))
+
+
+def check_pairs(model: Any, prompts: Sequence[Any], completions: Sequence[Any],
+                temperature: float | Sequence[float] = 1.0, tokenizer: Any = None) -> list[Pair]:
+    """Every pair checked (and text tokenized) as `score` checks it before any compute, against `model`'s vocabulary
+    and context: only its config and embedding shapes are read, so a meta-device copy will do (a fleet validates
+    on the caller's side this way). A bad pair is an InvalidArgument with its `index`."""
+    return _pairs(model, prompts, completions, _check_lists(prompts, completions, temperature), tokenizer)
 
 
 def score_iter(model_or_path: Any, pairs: Iterable[tuple[Any, Any]], temperature: float = 1.0,
@@ -234,44 +234,62 @@ def _limits(model) -> _Limits:
     return _Limits(vocab, getattr(text, "max_position_embeddings", None))
 
 
+def _check_lists(prompts: Any, completions: Any, temperature: Any) -> list[float]:
+    """The checks of a whole call (lists of equal length); returns one temperature per pair."""
+    for name, value in (("prompts", prompts), ("completions", completions)):
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+            raise invalid(name, type(value).__name__, "must be a list with one entry per pair",
+                          "pass e.g. prompts=[[1, 2]], completions=[[3, 4]]")
+    if len(prompts) != len(completions):
+        raise invalid("completions", f"{len(completions)} completions", f"must be one per prompt ({len(prompts)})",
+                      "pass exactly one completion for each prompt")
+    return _temperatures(temperature, len(prompts))
+
+
+def _pairs(model, prompts: Sequence[Any], completions: Sequence[Any], temps: list[float], tokenizer: Any) -> list[Pair]:
+    limits = _limits(model)
+    return [_pair(i, p, c, t, tokenizer, limits) for i, (p, c, t) in enumerate(zip(prompts, completions, temps))]
+
+
 def _pair(index: int, prompt: Any, completion: Any, temperature: float, tokenizer: Any, limits: _Limits) -> Pair:
     where = f"pair {index}"
-    ids = {name: _ids(name, value, tokenizer, where) for name, value in (("prompt", prompt),
+    ids = {name: _ids(name, value, tokenizer, index) for name, value in (("prompt", prompt),
                                                                          ("completion", completion))}
     for name, tokens in ids.items():
         if not tokens:
             raise invalid(name, tokens, "must contain at least one token",
-                          f"drop pairs with an empty {name} before scoring", where)
+                          f"drop pairs with an empty {name} before scoring", where, index)
         for pos, token in enumerate(tokens):
             if not 0 <= token < limits.vocab_size:
                 raise invalid(name, f"token id {token} at position {pos}", f"ids must be in [0, {limits.vocab_size})",
-                              "tokenize with the scoring model's own tokenizer", where)
+                              "tokenize with the scoring model's own tokenizer", where, index)
     total = len(ids["prompt"]) + len(ids["completion"])
     if limits.max_context is not None and total > limits.max_context:
         raise invalid("prompt+completion", f"{total} tokens", f"must fit the model's context of {limits.max_context}",
-                      "truncate the prompt or drop the pair", where)
+                      "truncate the prompt or drop the pair", where, index)
     return Pair(index, tuple(ids["prompt"]), tuple(ids["completion"]), temperature)
 
 
-def _ids(name: str, value: Any, tokenizer: Any, where: str) -> list[int]:
+def _ids(name: str, value: Any, tokenizer: Any, index: int) -> list[int]:
+    where = f"pair {index}"
     if isinstance(value, str):
         if tokenizer is None:
             raise invalid(name, preview(value), "text needs a tokenizer",
-                          "pass tokenizer=..., a checkpoint directory that holds one, or token ids", where)
+                          "pass tokenizer=..., a checkpoint directory that holds one, or token ids", where, index)
         return list(tokenizer(value, add_special_tokens=False)["input_ids"])
     if hasattr(value, "tolist"):  # a torch tensor or numpy array
         value = value.tolist()
     if not isinstance(value, (list, tuple)) or not all(isinstance(t, Integral) and not isinstance(t, bool)
                                                         for t in value):
         raise invalid(name, preview(value), "must be a list of int token ids or a string",
-                      "pass token ids such as [1, 2, 3]", where)
+                      "pass token ids such as [1, 2, 3]", where, index)
     return [int(t) for t in value]
 
 
 def _two(index: int, item: Any) -> tuple[Any, Any]:
     if isinstance(item, (str, bytes)) or not isinstance(item, Sequence) or len(item) != 2:
         raise invalid("pair", preview(item), "must be a (prompt, completion) pair",
-                      "yield 2-tuples such as ([1, 2], [3, 4])", f"pair {index}")
+                      "yield 2-tuples such as ([1, 2], [3, 4])", f"pair {index}", index)
     return item[0], item[1]
 
 
@@ -284,7 +302,7 @@ def _temperatures(temperature: Any, count: int) -> list[float]:
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise invalid("temperature", t, "must be a finite number >= 0 (0 = greedy: the raw distribution)",
                           "pass the temperature the completions were sampled at, e.g. 1.0",
-                          f"pair {i}" if count > 1 else "")
+                          f"pair {i}" if count > 1 else "", i if count > 1 else None)
     return [float(t) for t in temps]
 
 

@@ -8,10 +8,9 @@ rollout's errors do. Raised anywhere while a request is parsed or run; the app t
 
 from __future__ import annotations
 
-import re
+from ..base.errors import InvalidArgument
 
 INVALID = "invalid_request_error"
-FIELD = re.compile(r"^(?:[^:=]*: )?([A-Za-z_][\w.]*)=")  # "[where: ]field=value is invalid: ..."
 
 
 class ApiError(Exception):
@@ -29,13 +28,10 @@ def bad_request(param: str | None, message: str, code: str | None = None) -> Api
 
 
 def from_value_error(error: ValueError, names: dict[str, str] | None = None) -> ApiError:
-    """A rollout ValueError ("prompt 0: max_new_tokens=9 is invalid: ... Fix: ...") as a 400 naming the request's
-    field: rollout's field names are mapped to the API's (`names`, e.g. max_new_tokens -> max_tokens)."""
-    text = str(error)
-    match = FIELD.match(text)
-    field = match.group(1) if match else None
-    names = names or {}
-    param = names.get(field, field) if field is not None else None
-    if field is not None and param != field:
-        text = text.replace(f"{field}=", f"{param}=", 1)
-    return bad_request(param, text)
+    """A rollout ValueError ("prompt 0: max_new_tokens=9 is invalid: ... Fix: ...") as a 400. An InvalidArgument
+    names the request's field (`param`: its `field`, mapped to the API's name by `names`, e.g. max_new_tokens ->
+    max_tokens, in the message too); any other ValueError names none."""
+    if not isinstance(error, InvalidArgument):
+        return bad_request(None, str(error))
+    param = (names or {}).get(error.field, error.field)
+    return bad_request(param, str(InvalidArgument(param, error.value, error.rule, error.fix, error.where, error.index)))

@@ -22,14 +22,14 @@ def _one(prompt: Any, index: int, tokenizer: Any, chat_template: bool) -> list[i
     if isinstance(prompt, str) or (chat_template and _is_messages(prompt)):
         if tokenizer is None:
             raise invalid("prompt", preview(prompt), "text prompts need a tokenizer",
-                          "pass tokenizer=... to RolloutWorker, or give token ids", where)
+                          "pass tokenizer=... to RolloutWorker, or give token ids", where, index)
         return _encode(prompt, tokenizer, chat_template)
     if hasattr(prompt, "tolist"):
         prompt = prompt.tolist()
     if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                         for t in prompt):
         raise invalid("prompt", preview(prompt), "must be a list of int token ids, a string, or chat messages",
-                      "pass token ids such as [1, 2, 3]", where)
+                      "pass token ids such as [1, 2, 3]", where, index)
     return list(prompt)
 
 
@@ -59,7 +59,7 @@ def sampling_per_prompt(sampling: SamplingParams | Sequence[SamplingParams] | No
     for i, p in enumerate(params):
         if not isinstance(p, SamplingParams):
             raise invalid("sampling", type(p).__name__, "must be a SamplingParams", "wrap it in SamplingParams(...)",
-                          f"prompt {i}")
+                          f"prompt {i}", i)
     return params
 
 
@@ -68,28 +68,29 @@ def check_prompt(ids: list[int], params: SamplingParams, index: int, vocab_size:
     """Every rule a prompt must meet before submission; the error names the prompt, the field and the fix."""
     where = f"prompt {index}"
     if not ids:
-        raise invalid("prompt", ids, "must contain at least one token", "drop empty prompts before generate", where)
+        raise invalid("prompt", ids, "must contain at least one token", "drop empty prompts before generate", where,
+                      index)
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise invalid("prompt", f"token id {bad[0]}", f"ids must be in [0, {vocab_size})",
-                      "tokenize with the model's own tokenizer", where)
+                      "tokenize with the model's own tokenizer", where, index)
     total = len(ids) + params.max_new_tokens
     if max_context is not None and total > max_context:
         raise invalid("max_new_tokens", params.max_new_tokens,
                       f"prompt length {len(ids)} + max_new_tokens exceeds the model context of {max_context}",
-                      f"use max_new_tokens <= {max(max_context - len(ids), 0)} or a shorter prompt", where)
+                      f"use max_new_tokens <= {max(max_context - len(ids), 0)} or a shorter prompt", where, index)
     if total > max_request_tokens:
         raise invalid("max_new_tokens", params.max_new_tokens,
                       f"prompt length {len(ids)} + max_new_tokens exceeds what the KV cache can hold for one "
                       f"request ({max_request_tokens} tokens)",
-                      "raise WorkerConfig.num_blocks or kv_cache_memory_mb, or lower max_new_tokens", where)
+                      "raise WorkerConfig.num_blocks or kv_cache_memory_mb, or lower max_new_tokens", where, index)
     for token in params.stop_token_ids or ():
         if token >= vocab_size:
             raise invalid("stop_token_ids", token, f"ids must be in [0, {vocab_size})",
-                          "use the model's own token ids", where)
+                          "use the model's own token ids", where, index)
     if params.top_logprobs > vocab_size:
         raise invalid("top_logprobs", params.top_logprobs, f"the vocabulary has only {vocab_size} tokens",
-                      f"ask for at most {vocab_size} alternatives", where)
+                      f"ask for at most {vocab_size} alternatives", where, index)
 
 
 def prepare_call(prompts: Sequence[Any], sampling: SamplingParams | Sequence[SamplingParams] | None,

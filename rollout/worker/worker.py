@@ -177,7 +177,7 @@ class RolloutWorker:
         groups = []
         for i, (ids, p) in enumerate(zip(token_lists, params)):
             stop = () if p.ignore_eos else (p.stop_token_ids if p.stop_token_ids is not None else self.default_stop_ids)
-            budget = None if spec is None else spec.budget(len(ids), limit, f"prompt {i}")
+            budget = None if spec is None else spec.budget(len(ids), limit, i)
             groups.append([Sample(None, i, j, ids, p, tuple(stop), episode=self._episode(spec, budget, ids, limit))
                            for j in range(p.n)])
         return groups
