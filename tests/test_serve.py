@@ -377,7 +377,7 @@ def wait_until(condition, timeout: float = 20.0) -> bool:
 
 
 def test_a_client_that_disconnects_cancels_its_request(served, monkeypatch):
-    from rollout.engine.runner import RolloutModelRunner
+    from rollout.engine.upstream.runner import RolloutModelRunner
 
     worker, _, client = served
     engine = worker.engine

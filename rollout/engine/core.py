@@ -27,27 +27,20 @@ import time
 import torch
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
-from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
-from transformers.generation.continuous_batching.model_runner import infer_max_single_request_tokens
-from transformers.generation.continuous_batching.requests import GenerationOutput, RequestState, RequestStatus
 
 from ..base.batch import Row
 from ..base.config import WorkerConfig, check_in_flight
 from ..base.params import SamplingParams
 from ..moe import Routing, find_routers
-from . import cuda, memory, sizing, switch  # noqa: F401  (memory: patches upstream's memory plan for rollout_paged)
-from .blocktable import RolloutCache  # also keeps upstream's decode fast path on for rollout_paged
+from . import cuda, sizing
 from .call import Call, Sample
-from .counters import Counters, kv_pages
+from .counters import Counters
 from .ledger import Entry, Ledger, split_tops
-from .manager import RolloutManager
-from .preemption import RolloutOffloading
 from .recorder import RoutingHole, RoutingRecorder
-from .router import RolloutRouter
-from .runner import RolloutIOs, RolloutModelRunner, RowSlotArgs, TopReader
 from .sampler import RowSpec
-from .scheduler import CHILD_SEPARATOR, SCHEDULER_NAME
 from .slots import SlotTable
+from .upstream import (CHILD_SEPARATOR, SCHEDULER_NAME, GenerationOutput, Hooks, RequestState, RequestStatus,
+                       RolloutManager, RowSlotArgs, TopReader, install, kv_pages, switch)
 from .stepper import Stepper
 from .streams import stream_key
 from .trace import TurnTrace
@@ -70,6 +63,7 @@ def release_memory() -> None:
 
 class Engine:
     def __init__(self, model, config: WorkerConfig, version: int = 0) -> None:
+        install()  # the hooks on transformers this engine relies on (upstream/install.py), once per process
         self.model = model
         self.config = config.for_device(model.device)  # every size resolved (the device's defaults)
         self.version = version
@@ -99,7 +93,7 @@ class Engine:
         self._supervisor.start()
 
     # ------------------------------------------------------------------ lifecycle
-    def _build_manager(self) -> ContinuousBatchingManager:
+    def _build_manager(self) -> RolloutManager:
         gen_config = GenerationConfig(do_sample=False, max_new_tokens=None, eos_token_id=None)
         blocks = sizing.num_blocks(self.config, self.model)
         graphs = cuda.captures(self.model, self.config) and self._routers is None  # a replayed graph runs no hooks
@@ -111,28 +105,20 @@ class Engine:
             max_blocks_per_request=sizing.block_table_width(self.model, self.config, blocks))
         table = SlotTable(self.model.device, SLOTS_PER_BATCH_ROW * self.config.max_requests_per_batch, self._row_spec,
                           lambda request_id: request_id in self._pending)
+        hooks = Hooks(on_output=self._on_output, on_sampled=self._record, on_prefix_hit=self._on_prefix_hit,
+                      on_split=self._on_split, on_schedule=self.counters.kv_step, on_preempt=self._on_preempt,
+                      on_step=self._trace_step)
         was_training = self.model.training
-        manager = RolloutManager(self.model, gen_config, cb_config, RowSlotArgs(table, all_passes=graphs))
-        manager.output_router = RolloutRouter(self._on_output)
-        manager.trace_steps = self._trace_step
-        manager.batch_processor = manager._create_batch_processor()
-        manager.batch_processor.scheduler.on_prefix_hit = self._on_prefix_hit
-        RolloutCache.adopt(manager.batch_processor.cache)
-        manager.batch_processor.scheduler.on_split = self._on_split
-        manager.batch_processor.scheduler.on_schedule = self.counters.kv_step
-        RolloutOffloading.adopt(manager.batch_processor.offloading_manager, self._on_preempt)
-        RolloutModelRunner.adopt(manager.batch_processor.model_runner)
-        RolloutIOs.adopt(manager.batch_processor.inputs_and_outputs, self._record)
-        table.stream = manager.batch_processor.inputs_and_outputs.compute_stream
-        self.max_request_tokens = infer_max_single_request_tokens(manager.batch_processor.cache)
+        manager = RolloutManager(self.model, gen_config, cb_config, RowSlotArgs(table, all_passes=graphs), hooks)
+        self.max_request_tokens = manager.max_request_tokens
         self.model.train(was_training)
         self._record_routing(manager)
         sizing.check_request_fits(self.config, self.model, manager.batch_processor.cache.num_blocks,
                                   self.max_request_tokens)  # before the thread starts: nothing to stop
-        self._start(manager)
+        manager.start()
         return manager
 
-    def _record_routing(self, manager: ContinuousBatchingManager) -> None:
+    def _record_routing(self, manager: RolloutManager) -> None:
         """A fresh recorder for this manager (the previous one's hooks removed), when recording routing."""
         self._stop_recording()
         if self._routers is not None:
@@ -146,15 +132,6 @@ class Engine:
         if self._recorder is not None:
             self._recorder.remove()
             self._recorder = None
-
-    @staticmethod
-    def _start(manager: ContinuousBatchingManager) -> None:
-        """`manager.start()`, but with a daemon thread: upstream's is not, so a process that never closed its
-        worker would hang at exit (Python joins non-daemon threads before running atexit handlers)."""
-        manager.background_thread_status.clear()
-        manager._generation_thread = threading.Thread(target=manager._run_generation_loop, daemon=True,
-                                                      name="rollout-engine")
-        manager._generation_thread.start()
 
     def is_alive(self) -> bool:
         """The engine thread runs and has not failed (False while asleep: there is no thread)."""
@@ -205,7 +182,7 @@ class Engine:
         self._supervisor.join(timeout=30)
         self._stepper.shutdown()
         manager, self._manager = self._manager, None
-        if manager is not None and manager._generation_thread is not None:
+        if manager is not None and manager.has_thread():
             manager.stop(block=True, timeout=30)
         self._stop_recording()
 
@@ -448,8 +425,7 @@ class Engine:
                              streaming=head.call.on_tokens is not None)  # upstream delivers every step's progress
         if ready is not None and self.trace is not None:
             self.trace.ready(request_id, ready)
-        self._manager.input_queue.put(state)
-        self._manager._wake_up_loop.set()
+        self._manager.submit(state)
 
     def _heal(self) -> None:
         """If the engine died or requests failed, rebuild it and re-run the lost samples, each on its own."""

@@ -30,8 +30,8 @@ from ..base.config import WorkerConfig, check_in_flight
 from ..base.env import EnvFactory, EpisodeSpec
 from ..base.errors import invalid
 from ..base.params import SamplingParams
-from ..engine import (Call, Engine, Episode, Sample, current_attn_implementation, resolve_attn_implementation,
-                      set_attn_implementation)
+from ..engine import (Call, Engine, Episode, Sample, current_attn_implementation, install,
+                      resolve_attn_implementation, set_attn_implementation)
 from ..metrics.snapshot import WorkerMetrics
 from ..model import adapters
 from ..model import weights as weights_mod
@@ -56,13 +56,14 @@ def _close_all() -> None:  # the engine thread is a daemon, so exit never hangs;
 class RolloutWorker:
     def __init__(self, model_or_path: Any, config: WorkerConfig | None = None, tokenizer: Any = None) -> None:
         self.config = config if config is not None else WorkerConfig()
+        install()  # the engine's hooks on transformers (once per process), before a checkpoint loads with them
         self.model, self.tokenizer = load_model(model_or_path, tokenizer,
                                                 attn_implementation=loading_attention(self.config.attn_implementation))
         self.owns_model = not hasattr(model_or_path, "forward")
         self._user_attn = current_attn_implementation(self.model)
         engine_attn = resolve_attn_implementation(self.config.attn_implementation, self.model)
         if engine_attn is not None:
-            self.model.set_attn_implementation(engine_attn)
+            set_attn_implementation(self.model, engine_attn)
         self._lock = threading.RLock()
         self._active_calls = 0
         self._was_training = self.model.training
