@@ -186,7 +186,8 @@ def test_counters_survive_an_engine_restart_and_count_each_row_once(worker, inje
     after = worker.metrics()
     delta = counted(before, after)
     assert delta["engine_restarts"] == 1 and len(warm) == len(batch) == 6
-    restarts = [r.getMessage() for r in caplog.records if r.name == "rollout" and "engine thread died" in r.getMessage()]
+    restarts = [r.getMessage() for r in caplog.records
+                if r.name == "rollout" and "engine thread died" in r.getMessage()]
     assert len(restarts) == 1 and "RuntimeError: injected engine fault" in restarts[0]  # the fatal error, logged
     assert delta["generated_tokens"] == int(batch.completion_lengths.sum()) == 120  # re-run rows counted once
     assert delta["rows_finished"] == {"length": 6} and delta["sampled_tokens"] >= 120

@@ -45,7 +45,8 @@ Public but internal (no underscore, same risk):
   `offload_requests` takes out of the active set (the batch processor's only way to preempt); the KV peak is read
   once a step's pages are allocated; a re-admitted request (soft reset) is told from a new one by its logprobs.
 - `OutputRouter.deliver` / `deliver_batch` (router.py overrides them), `ContinuousBatchingManager.start`'s body
-  (replayed by upstream/manager.py with a daemon thread), `switch_to_cb_friendly_attn` (manager.py lets `rollout_paged` through),
+  (replayed by upstream/manager.py with a daemon thread), `switch_to_cb_friendly_attn` (manager.py lets
+  `rollout_paged` through),
   the `PagedAttentionArgs` fields and `FullAttentionCacheAllocator.update`'s signature (attention.py), and
   `attn_mask_is_needed` being false for `rollout_paged` (no dense mask is allocated).
 """

@@ -66,14 +66,14 @@ class WorkerConfig:
         finish on the old weights (default), "abort" them and re-run them on the new weights, "recompute" their KV
         under the new weights and continue (every token exact under the version that produced it), or "keep" their
         old-weight KV and continue (fastest; tokens after the switch approximate). See docs/async.md.
-    seed: seed of the worker's own sampling generator (the global torch RNG is never touched).
+    seed: keys the counter-based random streams of unseeded samples (the global torch RNG is never touched).
     max_retries: times a request is re-run after the engine died under it before the call fails.
     env_threads: threads that run environments' synchronous `step` calls (and `make_env`) of multi-turn episodes, so
         that many slow steps overlap; a step that outlives `env_timeout` keeps its thread until it returns.
     attn_implementation: attention used by the engine: "auto" (default: "rollout_paged" on CPU; on CUDA the model's
         own if it is flash, else flash_attention_2 when flash_attn imports, else "rollout_paged"), "rollout_paged"
-        (rollout/engine/upstream/attention.py: no dense mask, batched decode), "sdpa", "paged|eager", a flash implementation,
-        or None to keep the model's. The owner's attention is restored between calls.
+        (rollout/engine/upstream/attention.py: no dense mask, batched decode), "sdpa", "paged|eager", a flash
+        implementation, or None to keep the model's. The owner's attention is restored between calls.
     cuda_graphs: "auto" (default) captures the engine's steps in CUDA graphs and overlaps host and device work (async
         batching) on CUDA when the attention allows it (a flash implementation); "off" never does. Off on CPU.
     merge_adapters: for a model carrying LoRA adapters (PEFT), fold them into the base weights while a generate call

@@ -31,8 +31,8 @@ class SamplingParams:
     max_new_tokens: completion budget; a row cut by it finishes with "length".
     stop_token_ids: tokens that end a row (kept in the completion, finish "stop"); None means the model's EOS.
     ignore_eos: generate up to max_new_tokens whatever is sampled.
-    seed: when set, each sample draws from its own generator seeded from (seed, sample index), so its tokens do not
-        depend on what else is in the batch.
+    seed: when set, each sample draws from its own counter-based random stream keyed on (seed, sample index), so
+        its tokens do not depend on what else is in the batch.
     top_logprobs: at each sampled position, also return the k most likely tokens and their logprobs under the same
         log_softmax(logits / T) as `logprobs` (`RolloutBatch.top_ids` / `top_logprobs`); 0 (the default) returns none
         and costs nothing. At most MAX_TOP_LOGPROBS (20, OpenAI's limit).

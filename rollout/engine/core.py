@@ -11,8 +11,8 @@ The engine knows token ids and SamplingParams, nothing about tokenizers or train
   thread and submits the next turn through the engine;
 - fences weight changes: `exclusive(mode)` stops new submissions, then "wait"s for what is in flight, "abort"s it
   (re-run from scratch after the switch), "recompute"s its KV under the new weights, or "keep"s it; the loop is
-  paused and the prefix cache forgotten (upstream/switch.py), so no later request reads KV computed with other weights, and
-  every sampled token records the version that produced it.
+  paused and the prefix cache forgotten (upstream/switch.py), so no later request reads KV computed with other
+  weights, and every sampled token records the version that produced it.
 - sleeps: `sleep()` waits for what is in flight, then stops and drops the manager with its KV cache and step buffers
   (the model's weights stay); `wake()`, or the next `submit`, builds a fresh one (an empty prefix cache, so nothing
   cached before the sleep is reused, whatever the weights did meanwhile).
@@ -211,7 +211,7 @@ class Engine:
     # ------------------------------------------------------------------ engine-thread callbacks
     def _row_spec(self, request_id: str) -> RowSpec:
         spec = self._ledger.specs.get(request_id)
-        if spec is None:  # a forked child: inherits its parent's params, its own generator if seeded
+        if spec is None:  # a forked child: inherits its parent's params, with its own stream key
             sample = self._pending.get(request_id)
             if sample is None:  # abandoned (aborted, timed out) while the engine forks it: output is dropped
                 return RowSpec(SamplingParams(temperature=0.0))
@@ -546,8 +546,8 @@ class Engine:
             now = dict(prompt_tokens=self.num_prompt_tokens, prefix_cache_reused_tokens=self.num_reused_tokens,
                        engine_restarts=self.num_restarts, aborted_samples=self.num_aborted,
                        recomputed_requests=self.num_recomputed, policy_version=self.version,
-                       sleeping=int(self.is_sleeping), episodes_in_env_step=len(self._driver.stepping), requests_waiting=0,
-                       requests_running=0, kv_pages_total=0, kv_pages_used=0, kv_pages_cached=0)
+                       sleeping=int(self.is_sleeping), episodes_in_env_step=len(self._driver.stepping),
+                       requests_waiting=0, requests_running=0, kv_pages_total=0, kv_pages_used=0, kv_pages_cached=0)
         processor = getattr(manager, "batch_processor", None)
         if processor is not None:  # read without stopping the loop: a page count may be a step old
             scheduler = processor.scheduler

@@ -1,8 +1,8 @@
 """Ledger: what the engine keeps per engine request between its sampled tokens and its output.
 
-For every live request id: its `RowSpec` (sampling params and seeded generator), and per sampled token the sampling
-logprob, the policy version whose weights produced it and, when its params ask for `top_logprobs`, the top ids and
-logprobs at that position. Entries exist only for requests the engine tracks
+For every live request id: its `RowSpec` (sampling params and the key of its counter-based random stream,
+streams.py), and per sampled token the sampling logprob, the policy version whose weights produced it and, when
+its params ask for `top_logprobs`, the top ids and logprobs at that position. Entries exist only for requests the engine tracks
 (`is_tracked`): a token sampled for a request already cancelled is not recorded, and `drop` releases everything a
 cancelled request held, so cancellations (timeouts, aborts) leave nothing behind.
 """

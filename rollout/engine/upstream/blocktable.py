@@ -5,8 +5,8 @@ pages, in order) instead of per-token read and write indices; building those ind
 cached position of every request, rebuilt each step. Upstream keeps the path for flash only (flash_attn_with_kvcache
 reads and writes pages itself); `rollout_paged` reads and writes pages itself too (plan.py, attention.py), so:
 
-- `keep_block_tables` (installed by `install()`) stands in for upstream's availability check: under `rollout_paged` the path stays on wherever
-  every allocator supports block tables (full attention; sliding-window groups do not);
+- `keep_block_tables` (installed by `install()`) stands in for upstream's availability check: under
+  `rollout_paged` the path stays on wherever every allocator supports block tables (full attention; sliding-window groups do not);
 - `RolloutCache.fill_block_table` writes a request's row of the table through a numpy view of the host tensor: the
   same entries as upstream's (pinned by tests/test_upstream_contract.py), without the three small torch ops per
   request that cost ~75 us each on the host (9.6 ms for 128 requests, measured).
