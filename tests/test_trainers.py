@@ -256,7 +256,7 @@ def test_micro_batches_give_the_full_batch_update(tiny, loss_norm):
         policy = copy.deepcopy(model)
         config = GRPOConfig(num_generations=3, loss_norm=loss_norm, micro_batch_size=micro, max_grad_norm=None)
         trainer = GRPOTrainer(policy, torch.optim.SGD(policy.parameters(), lr=1.0), None, [],
-                              SimpleNamespace(model=policy, tokenizer=tok), config)
+                              SimpleNamespace(model=policy, tokenizer=tok, policy_version=0), config)
         stats = trainer._update(batch, advantages, None)
         updated.append((stats["loss"], torch.cat([p.detach().flatten() for p in policy.parameters()])))
     assert updated[0][0] == pytest.approx(updated[1][0], abs=1e-6)
@@ -438,7 +438,7 @@ def test_ppo_on_episodes_is_exact_across_the_observation_holes(tiny):
 def test_a_trainer_without_reward_fn_or_episodes_fails_before_generating(tiny):
     model, tok = tiny
     calls = []
-    rollouts = SimpleNamespace(model=model, tokenizer=tok, refresh=lambda v: None,
+    rollouts = SimpleNamespace(model=model, tokenizer=tok, refresh=lambda v: None, policy_version=0,
                                generate=lambda *a, **k: calls.append(1))
     trainer = GRPOTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), None, lambda step: ids(tok), rollouts)
     with pytest.raises(ValueError, match="reward_fn=None"):

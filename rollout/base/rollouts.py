@@ -101,14 +101,14 @@ class Rollouts(Protocol):
     def generate(self, prompts: Sequence[Any], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  chat_template: bool = False, timeout: float | None = None, env: EnvFactory | None = None,
                  max_turns: int = 1, max_episode_tokens: int | None = None,
-                 env_timeout: float | None = 300.0, episode: EpisodeSpec | None = None) -> RolloutBatch:
+                 env_timeout: float | None = 300.0, *, episode: EpisodeSpec | None = None) -> RolloutBatch:
         """Every sample of every prompt, rows prompt-major; the whole call is validated before any work. With
         `episode` (or its fields as keywords: env, max_turns, ...), every sample is a multi-turn episode
         (docs/episodes.md)."""
 
     def submit(self, prompts: Sequence[Any], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                chat_template: bool = False, env: EnvFactory | None = None, max_turns: int = 1,
-               max_episode_tokens: int | None = None, env_timeout: float | None = 300.0,
+               max_episode_tokens: int | None = None, env_timeout: float | None = 300.0, *,
                episode: EpisodeSpec | None = None) -> RolloutsFuture:
         """`generate`, returning at once a future (`done()`, `result(timeout)`, `cancel()`; docs/async.md) whose
         `as_completed(timeout)` yields each prompt's group as a RolloutBatch as soon as it finishes (docs/collector.md:

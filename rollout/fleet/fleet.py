@@ -125,7 +125,7 @@ class RolloutFleet:
 
     def generate(self, prompts: Sequence[Any], sampling=None, chat_template: bool = False,
                  timeout: float | None = None, env: EnvFactory | None = None, max_turns: int = 1,
-                 max_episode_tokens: int | None = None, env_timeout: float | None = 300.0,
+                 max_episode_tokens: int | None = None, env_timeout: float | None = 300.0, *,
                  episode: EpisodeSpec | None = None) -> RolloutBatch:
         """RolloutWorker.generate across the fleet: validated here, rows prompt-major in input order. `env` travels
         to the actors (it must pickle) and is called there with the call's own prompt indices."""
@@ -139,8 +139,8 @@ class RolloutFleet:
 
     def submit(self, prompts: Sequence[Any], sampling=None, chat_template: bool = False,
                env: EnvFactory | None = None, max_turns: int = 1, max_episode_tokens: int | None = None,
-               env_timeout: float | None = 300.0, timeout: float | None = None,
-               episode: EpisodeSpec | None = None) -> FleetFuture:
+               env_timeout: float | None = 300.0, *, episode: EpisodeSpec | None = None,
+               timeout: float | None = None) -> FleetFuture:
         """Validate here, then run the call in the background and return at once. Up to MAX_CALLS calls run side by
         side (more wait their turn), each actor's engine batching them together; `update_weights` may run while they
         are in flight (each actor applies it under the chosen in_flight mode). `as_completed()` on the future streams

@@ -126,7 +126,7 @@ class RolloutWorker:
     def generate(self, prompts: Sequence[Any], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  chat_template: bool = False, timeout: float | None = None, env: EnvFactory | None = None,
                  max_turns: int = 1, max_episode_tokens: int | None = None,
-                 env_timeout: float | None = 300.0, episode: EpisodeSpec | None = None) -> RolloutBatch:
+                 env_timeout: float | None = 300.0, *, episode: EpisodeSpec | None = None) -> RolloutBatch:
         """Generate every sample of every prompt; rows come back prompt-major. Validates the whole call first.
         `submit(...).result(timeout)`, except that a call that times out (or is interrupted) is cancelled. A
         sleeping worker wakes first (its cache is re-allocated, as `wake()` does).
@@ -145,8 +145,8 @@ class RolloutWorker:
 
     def submit(self, prompts: Sequence[Any], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                chat_template: bool = False, env: EnvFactory | None = None, max_turns: int = 1,
-               max_episode_tokens: int | None = None, env_timeout: float | None = 300.0,
-               on_tokens: TokenCallback | None = None, episode: EpisodeSpec | None = None) -> RolloutFuture:
+               max_episode_tokens: int | None = None, env_timeout: float | None = 300.0, *,
+               episode: EpisodeSpec | None = None, on_tokens: TokenCallback | None = None) -> RolloutFuture:
         """Validate the call, submit it and return at once (docs/async.md). Several calls may be in flight; weight
         updates may land while they run (`update_weights(..., in_flight=...)`), and every token of the result says
         which version produced it (`batch.token_versions`).
