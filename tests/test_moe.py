@@ -468,7 +468,7 @@ def test_ppo_with_routing_replay_forces_the_recorded_experts_in_every_policy_for
     recorded = [row.long().sort(-1).values for row in batch.routing.rows]
 
     class RolloutSide:  # learn() trains on a batch generated elsewhere, then pushes the weights here
-        policy_version = 0
+        policy_version, tokenizer = 0, None
 
         def __init__(self):
             self.versions = []
