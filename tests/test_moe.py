@@ -470,6 +470,12 @@ def test_ppo_with_routing_replay_forces_the_recorded_experts_in_every_policy_for
     class RolloutSide:  # learn() trains on a batch generated elsewhere, then pushes the weights here
         policy_version, tokenizer = 0, None
 
+        @staticmethod
+        def metrics():
+            from rollout.metrics.snapshot import WorkerMetrics
+
+            return WorkerMetrics()  # nothing generated here
+
         def __init__(self):
             self.versions = []
 
