@@ -7,6 +7,7 @@ an independent reference: logprobs against a plain teacher-forced forward, token
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -45,12 +46,20 @@ def served(tiny_path, tok):
     model, _ = load_tiny_model(tiny_path)
     prompt = tok.apply_chat_template(USER, tools=[ADD], add_generation_prompt=True, return_dict=False)
     teach(model, [(prompt, tok.encode(CALL))], steps=60)
+    with serving(model, tok) as handles:
+        yield handles
+
+
+@contextlib.contextmanager
+def serving(model, tok):
+    """(worker, server, client) over `model`, shared in place by a worker, served on a free port."""
     worker = RolloutWorker(model, WorkerConfig(page_size=16, max_batch_tokens=128), tokenizer=tok)
     server = rollout.serve(worker, port=0, model_name="tiny")
-    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=600)
-    yield worker, server, client
-    server.close()
-    worker.close()
+    try:
+        yield worker, server, openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=600)
+    finally:
+        server.close()
+        worker.close()
 
 
 def http(url: str, data: bytes | None = None) -> tuple[int, dict]:

@@ -11,11 +11,9 @@ import json
 
 import openai
 import pytest
-from test_serve import ADD, CALL, USER, assert_exact, chat, http
+from test_serve import ADD, CALL, USER, assert_exact, chat, http, serving, tok  # noqa: F401  (tok: a fixture)
 
-import rollout
-from rollout import RolloutWorker, WorkerConfig
-from rollout.testing import build_chat_tokenizer, load_tiny_model, teach
+from rollout.testing import load_tiny_model, teach
 
 LOGPROBS = ["message.output_text.logprobs"]
 ADD_R = {"type": "function", "name": "add", "description": "Add two numbers.",  # the Responses shape of the same tool
@@ -28,22 +26,13 @@ TALK_CALL = TALK + ' <tool_call>{"name": "add", "arguments": {"a": 2, "b": 5}}</
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return build_chat_tokenizer()
-
-
-@pytest.fixture(scope="module")
 def served(tiny_path, tok):
     model, _ = load_tiny_model(tiny_path)
     pairs = [(tok.apply_chat_template(ask, tools=[ADD], add_generation_prompt=True, return_dict=False), tok.encode(out))
              for ask, out in ((USER, CALL), (BROKEN_ASK, BROKEN + "<|end|>"), (TALK_ASK, TALK_CALL))]
     teach(model, pairs, steps=80)
-    worker = RolloutWorker(model, WorkerConfig(page_size=16, max_batch_tokens=128), tokenizer=tok)
-    server = rollout.serve(worker, port=0, model_name="tiny")
-    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=600)
-    yield worker, server, client
-    server.close()
-    worker.close()
+    with serving(model, tok) as handles:
+        yield handles
 
 
 def respond(client, **kwargs):
