@@ -135,6 +135,11 @@ def test_a_streamed_response_sends_openais_events_and_its_deltas_add_up(served):
                           "response.function_call_arguments.done", "response.output_item.done"]
     assert json.loads(calls[4].arguments) == {"a": 2, "b": 3} and calls[4].name == "add"
     assert calls[-1].response.output[0].call_id == calls[5].item.call_id
+    # the client's own stream helper rebuilds the response from the events (their indexes and ids) alike
+    with client.responses.stream(model="tiny", input=USER[0]["content"], tools=[ADD_R], temperature=0,
+                                 max_output_tokens=64) as helper:
+        rebuilt = helper.get_final_response()
+    assert rebuilt.output[0].arguments == calls[-1].response.output[0].arguments
 
 
 def test_fields_with_no_meaning_here_are_refused_by_name(served):
@@ -182,6 +187,24 @@ def test_text_format_and_reasoning_effort_reach_the_chat_path_in_its_shape_and_e
     assert (error.param, error.message) == ("text.format.json_schema", "text.format.json_schema is invalid")
     error = renamed(bad_request("max_completion_tokens", "max_completion_tokens=9 is too many"))
     assert (error.param, error.message) == ("max_output_tokens", "max_output_tokens=9 is too many")
+
+
+def test_reasoning_comes_out_as_a_reasoning_item_and_goes_back_in_as_the_turns_reasoning():
+    from rollout.server.chat import normalize
+    from rollout.server.items import messages_of, output_items
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 1}"}}
+    message = {"role": "assistant", "reasoning_content": "think", "content": "so", "tool_calls": [call]}
+    items = output_items(message, None, "completed", "msg_1")
+    assert [i["type"] for i in items] == ["reasoning", "message", "function_call"]
+    assert items[0]["content"] == [{"type": "reasoning_text", "text": "think"}] and items[0]["summary"] == []
+    assert [i["type"] for i in output_items(message, None, "completed", "msg_1", message_first=True)] == [
+        "message", "reasoning", "function_call"]
+    back = messages_of([{"role": "user", "content": "hi"}] + items)
+    assert normalize(back) == normalize([{"role": "user", "content": "hi"}, message])
+    with pytest.raises(Exception) as error:
+        messages_of([{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}])
+    assert error.value.param == "input[0].encrypted_content"
 
 
 # ---------------------------------------------------------------------------------------------- the misleading cases

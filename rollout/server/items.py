@@ -2,13 +2,15 @@
 
 - `messages_of(input)`: `input` (a string: one user message; or a list of items) as chat messages. Items: messages
   (`role` user / system / developer / assistant, `content` a string or `input_text` / `output_text` parts),
-  `function_call` (joined to the assistant message before it, as the calls of one turn) and
-  `function_call_output` (a `tool` message answering its `call_id`). Any other item is a 400 naming it.
+  `function_call` (joined to the assistant message before it, as the calls of one turn), `function_call_output` (a
+  `tool` message answering its `call_id`) and `reasoning` (its `reasoning_text` as the `reasoning_content` of the
+  assistant message that follows, as reasoning templates render it). Any other item is a 400 naming it.
 - `chat_tools(tools)`: function tools (`{"type": "function", "name", "parameters", "description"?, "strict"?}`) as
   chat tools; a built-in tool (web_search, file_search, ...) is a 400 naming it: nothing here runs one.
 - `chat_tool_choice(choice)`: "auto" / "none" / "required" / `{"type": "function", "name"}` in the chat shape.
-- `output_items(message, logprobs)`: an assistant message as output items: a `message` with one `output_text` (when
-  the turn has text, or has nothing else) and a `function_call` per call, in that order.
+- `output_items(message, ...)`: an assistant message as output items: a `reasoning` item (when the template's parser
+  read one), a `message` with one `output_text` (when the turn has text, or has nothing else) and a `function_call`
+  per call, in that order.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ def messages_of(given: Any) -> list[dict]:
             raise bad_request(f"input[{i}]", "each input item must be an object")
         kind = item.get("type", "message")
         if kind == "message":
-            messages.append(_message(item, i))
+            _add_message(messages, _message(item, i))
+        elif kind == "reasoning":
+            messages.append({"role": "assistant", "content": None, "reasoning_content": _reasoning(item, i)})
         elif kind == "function_call":
             _add_call(messages, item, i)
         elif kind == "function_call_output":
@@ -42,7 +46,8 @@ def messages_of(given: Any) -> list[dict]:
                              "content": _text(item.get("output"), f"input[{i}].output")})
         else:
             raise bad_request(f"input[{i}].type", f"input item type {kind!r} is not supported: this server takes "
-                              "message, function_call and function_call_output items (a text model, function tools)")
+                              "message, reasoning, function_call and function_call_output items (a text model, "
+                              "function tools)")
     return messages
 
 
@@ -51,6 +56,27 @@ def _message(item: dict, i: int) -> dict:
     if role not in ROLES:
         raise bad_request(f"input[{i}].role", f"role={role!r} is invalid: must be one of {', '.join(ROLES)}")
     return {"role": role, "content": _text(item.get("content"), f"input[{i}].content")}
+
+
+def _add_message(messages: list[dict], message: dict) -> None:
+    """An assistant message after a reasoning item is that turn's text."""
+    last = messages[-1] if messages else {}
+    if message["role"] == "assistant" and "reasoning_content" in last and last["content"] is None \
+            and not last.get("tool_calls"):
+        last["content"] = message["content"]
+    else:
+        messages.append(message)
+
+
+def _reasoning(item: dict, i: int) -> str:
+    if item.get("encrypted_content") is not None:
+        raise bad_request(f"input[{i}].encrypted_content", "encrypted reasoning is not supported: this server writes "
+                          "none and cannot read another's. Fix: leave it out")
+    parts = item.get("content") or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and p.get("type") == "reasoning_text" and
+                                              isinstance(p.get("text"), str) for p in parts):
+        raise bad_request(f"input[{i}].content", "a reasoning item's content must be reasoning_text parts")
+    return "".join(p["text"] for p in parts)
 
 
 def _add_call(messages: list[dict], item: dict, i: int) -> None:
@@ -122,14 +148,18 @@ def responses_tools(tools: list[dict] | None) -> list[dict]:
             for tool in tools or []]
 
 
-def output_items(message: dict, logprobs: list[dict] | None, status: str, message_id: str) -> list[dict]:
+def output_items(message: dict, logprobs: list[dict] | None, status: str, message_id: str,
+                 message_first: bool = False) -> list[dict]:
     """`message` (the chat path's assistant message) as output items. `logprobs`: the output_text's entries (asked
-    for, and the turn is text only) or None."""
+    for, and the turn is text only) or None. `message_first`: the message item before a reasoning item (its text
+    streamed before the reasoning was known)."""
     calls = message.get("tool_calls") or []
-    items = []
-    if message.get("content") or not calls:
-        items.append(message_item(message_id, message.get("content") or "", logprobs, status))
-    return items + [call_item(call, status) for call in calls]
+    text = [message_item(message_id, message.get("content") or "", logprobs, status)] \
+        if message.get("content") or not calls else []
+    reasoning = [{"type": "reasoning", "id": new_id("rs"), "summary": [], "status": status,
+                  "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}]}] \
+        if isinstance(message.get("reasoning_content"), str) else []
+    return (text + reasoning if message_first else reasoning + text) + [call_item(call, status) for call in calls]
 
 
 def message_item(item_id: str, text: str | None, logprobs: list[dict] | None, status: str) -> dict:

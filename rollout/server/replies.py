@@ -44,16 +44,19 @@ async def complete(service: Service, store: ResponseStore, turn: Turn, generatio
     return body
 
 
-def _output(turn: Turn, choice: Choice, message_id: str, text: str | None = None) -> list[dict]:
-    """The output items; `text`: the message's text as it streamed (None: the parsed message's content)."""
+def _output(turn: Turn, choice: Choice, message_id: str, text: str | None = None,
+            opened: bool = False) -> list[dict]:
+    """The output items; `text`: the message's text as it streamed (None: the parsed message's content); `opened`:
+    the message item was streamed first."""
     status = "incomplete" if choice.finish_reason == "length" else "completed"
     message = dict(choice.message) | ({"content": text} if text is not None else {})
-    return output_items(message, _text_logprobs(turn, choice), status, message_id)
+    return output_items(message, _text_logprobs(turn, choice), status, message_id, opened)
 
 
 def _text_logprobs(turn: Turn, choice: Choice) -> list[dict] | None:
-    """The output_text's logprobs: the turn's tokens when it is text only (a call's tokens are not text)."""
-    if not turn.logprobs or choice.message.get("tool_calls") or choice.tool_call_error:
+    """The output_text's logprobs: the turn's tokens when they are all its text (not a call's or reasoning's)."""
+    message = choice.message
+    if not turn.logprobs or message.get("tool_calls") or message.get("reasoning_content") or choice.tool_call_error:
         return None
     return chat_logprobs(choice.token_ids, choice.logprobs, turn.prepared.detok, choice.top)["content"]
 
@@ -130,7 +133,7 @@ async def events(service: Service, store: ResponseStore, turn: Turn, generation)
         choice = outcome.choices[0]
         for out in text.finish(choice):
             yield out
-        output = _output(turn, choice, text.item_id, text.sent + text.rest)
+        output = _output(turn, choice, text.item_id, text.sent + text.rest, text.opened)
         for index, item in enumerate(output):
             for out in _item_events(event, index, item, text.opened):
                 yield out
@@ -214,6 +217,8 @@ def _item_events(event: _Events, index: int, item: dict, opened: bool) -> list[s
                       text=part["text"], logprobs=part["logprobs"]),
                 event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                       part=part)]
+    elif item["type"] == "reasoning":
+        out.append(event("response.output_item.added", output_index=index, item=dict(item, status="in_progress")))
     else:
         started = dict(item, arguments="", status="in_progress")
         out += [event("response.output_item.added", output_index=index, item=started),

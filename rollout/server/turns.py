@@ -100,6 +100,11 @@ def _refuse(body: dict) -> None:
     if not isinstance(include, list) or any(i != LOGPROBS for i in include):
         raise bad_request("include", f"include={include!r} is not supported: this server can include only "
                           f"{LOGPROBS!r} (it runs no built-in tools and keeps no encrypted reasoning)")
+    _refuse_options(body)
+
+
+def _refuse_options(body: dict) -> None:
+    """The parts of `reasoning`, `text` and `stream_options` that have no meaning here."""
     reasoning = body.get("reasoning") or {}
     if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "summary", "generate_summary"}:
         raise bad_request("reasoning", "reasoning must be {\"effort\": ...}")
