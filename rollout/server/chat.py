@@ -123,13 +123,14 @@ class ContentStream:
     """The content of one streamed turn with tools. The tokenizer's streaming parser (`get_response_parser`) reads
     the turn as it is written (special tokens included); content streams while it is the text the parser puts in the
     `content` region and `StreamedChoice` has cleared (stop strings, half characters), and stops for good where a call
-    begins. Whitespace at the end is held back (the parsed content of a turn with a call drops it). A turn that is
-    not content in the same order (a reasoning region before it) streams nothing until `finish`."""
+    begins. Whitespace at the end is held back (the parsed content of a turn with a call drops it). A turn whose text
+    is not its content from the start (a reasoning region before it) streams nothing until `finish`. Each step costs
+    the new text only: the parser and the decode are incremental, and the comparison starts where the sent text ends."""
 
     def __init__(self, tokenizer: Any, prompt: list[int], tools: list[dict]) -> None:
         self.parser = tokenizer.get_response_parser(prefix=prompt, tools=tools)
         self.decoded = IncrementalText(_Written(tokenizer))
-        self.fed, self.content, self.sent, self.calling = 0, "", "", False
+        self.fed, self.content, self.sent, self.calling, self.parted = 0, "", "", False, False
 
     def advance(self, ids: list[int], text: str) -> str:
         """The content to send now: `ids` the turn's tokens so far, `text` what `StreamedChoice` has cleared."""
@@ -144,8 +145,14 @@ class ContentStream:
                 self.calling = self.calling or (event["type"] == "region_open" and event["field"] == "tool_calls")
                 if not self.calling and event["type"] == "region_chunk" and event["field"] == "content":
                     self.content += event["text"]
+        if self.parted:
+            return ""
         start = len(self.sent)
-        common = os.path.commonprefix([self.content[start:], text[start:]]) if text.startswith(self.sent) else ""
+        ahead, cleared = self.content[start:], text[start:len(self.content) + 1]
+        common = os.path.commonprefix([ahead, cleared])
+        if len(common) < min(len(ahead), len(cleared)):  # the texts part ways for good (a region before the content)
+            self.calling = self.parted = True
+            return ""
         delta = common.rstrip()
         self.sent += delta
         return delta
