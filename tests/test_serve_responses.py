@@ -8,6 +8,7 @@ forward, token ids against the chat path and the template's own rendering.
 from __future__ import annotations
 
 import json
+import time
 
 import openai
 import pytest
@@ -69,8 +70,8 @@ def test_a_text_response_has_exact_logprobs_token_ids_and_usage(served, tok):
 
 
 def test_a_function_call_round_trip_continues_the_sampled_tokens(served, tok):
-    worker, _, client = served
-    first = respond(client, tools=[ADD_R], temperature=0, max_output_tokens=64)
+    worker, server, client = served
+    first = respond(client, tools=[ADD_R], temperature=0, max_output_tokens=64, extra_body={"episode_id": "r-1"})
     [call] = first.output
     assert call.type == "function_call" and call.name == "add" and call.call_id.startswith("call_")
     assert json.loads(call.arguments) == {"a": 2, "b": 3} and first.status == "completed"
@@ -78,12 +79,14 @@ def test_a_function_call_round_trip_continues_the_sampled_tokens(served, tok):
     assert tok.decode(first.model_extra["token_ids"]) == CALL
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "5"}
     second = respond(client, previous_response_id=first.id, input=[result], tools=[ADD_R], max_output_tokens=8,
-                     include=LOGPROBS, extra_body={"seed": 2, "ignore_eos": True})
+                     include=LOGPROBS, extra_body={"seed": 2, "ignore_eos": True, "episode_id": "r-1"})
     p1, t1 = first.model_extra["prompt_token_ids"], first.model_extra["token_ids"]
     p2, t2 = second.model_extra["prompt_token_ids"], second.model_extra["token_ids"]
     assert p2 == p1 + t1 + tok.encode("<|tool|>5<|end|><|assistant|>")  # the sampled call, not re-tokenized
     assert second.usage.input_tokens_details.cached_tokens >= 16  # the history's full pages: prefix cache
     assert_exact(worker.model, p2, t2, second.model_extra["token_logprobs"])
+    episode = server.take_episode("r-1")  # one segment: the trainer gets the turns as sampled
+    assert episode.completion_token_lists() == [t1 + p2[len(p1) + len(t1):] + t2] and episode.num_turns.tolist() == [2]
     # stateless: the whole conversation sent back as items renders to the same prompt and samples the same tokens
     items = [{"role": "user", "content": [{"type": "input_text", "text": USER[0]["content"]}]},
              call.model_dump(exclude_none=True), result]
@@ -93,6 +96,41 @@ def test_a_function_call_round_trip_continues_the_sampled_tokens(served, tok):
     client.responses.delete(second.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(second.id)
+
+
+def test_top_logprobs_are_the_exact_alternatives(served):
+    from test_serve import assert_alternatives_exact
+
+    worker, _, client = served
+    r = respond(client, max_output_tokens=6, temperature=0.8, top_logprobs=3,
+                extra_body={"seed": 4, "ignore_eos": True, "return_tokens_as_token_ids": True})
+    entries = r.output[0].content[0].logprobs
+    ids = r.model_extra["token_ids"]
+    assert [e.token for e in entries] == [f"token_id:{i}" for i in ids]
+    alternatives = [[(a.token, a.logprob) for a in e.top_logprobs] for e in entries]
+    assert_alternatives_exact(worker.model, r.model_extra["prompt_token_ids"], ids, alternatives, 3, 0.8)
+
+
+def test_a_client_that_leaves_a_stream_cancels_its_turn(served, monkeypatch):
+    from test_serve import wait_until
+
+    from rollout.engine.runner import RolloutModelRunner
+
+    worker, _, client = served
+    engine, original = worker.engine, RolloutModelRunner._forward_process_and_sample
+
+    def slow(self, *args):  # 30 ms a step: the 900 tokens asked for would take ~30 s
+        time.sleep(0.03)
+        return original(self, *args)
+
+    monkeypatch.setattr(RolloutModelRunner, "_forward_process_and_sample", slow)
+    start = time.monotonic()
+    stream = respond(client, max_output_tokens=900, stream=True, extra_body={"ignore_eos": True})
+    kinds = [next(stream).type for _ in range(5)]
+    assert kinds[-1] == "response.output_text.delta" and engine._pending
+    stream.close()
+    assert wait_until(lambda: not engine._pending and len(engine._ledger) == 0 and not engine._calls, 10)
+    assert time.monotonic() - start < 15
 
 
 def test_previous_response_id_must_be_one_this_server_stored(served):

@@ -4,10 +4,11 @@ The engine stops on token ids (the model's EOS, the chat template's end of turn,
 string that is one token). A `stop` string is text, though, and may span tokens or sit inside one: `Detokenizer.cut`
 finds the first stop string in the decoded text and keeps the tokens up to the one that completes it (their ids and
 logprobs are exact; the text ends before the stop string, as OpenAI's does; the tokens sampled after it are dropped,
-from the response and from a recorded episode alike, and counted in `usage`: `Choice.sampled`). `StreamedChoice` does the same while the tokens arrive, holding
-back text that could still turn out to be the start of a stop string (or half of a UTF-8 character). It decodes
-incrementally (`IncrementalText`) and searches only the new text for stop strings, so a streamed row costs time
-linear in its length; its last chunk is checked against the whole row's decode.
+from the response and from a recorded episode alike, and counted in `usage`: `Choice.sampled`). `StreamedChoice`
+does the same while the tokens arrive, holding back text that could still turn out to be the start of a stop string
+(or half of a UTF-8 character). It decodes incrementally (`IncrementalText`) and searches only the new text for stop
+strings, so a streamed row costs time linear in its length; its last chunk is checked against the whole row's
+decode.
 """
 
 from __future__ import annotations
