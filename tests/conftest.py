@@ -29,7 +29,7 @@ def moe_paths(tmp_path_factory):
 def inject_engine_fault(monkeypatch):
     """inject(at_step): from then on, the at_step-th engine step (counted across engines) raises inside the forward,
     killing the engine thread; the worker rebuilds its engine and re-runs what was in flight."""
-    from rollout.engine.runner import RolloutModelRunner
+    from rollout.engine.upstream.runner import RolloutModelRunner
 
     def inject(at_step: int) -> None:
         original = RolloutModelRunner._forward_process_and_sample

@@ -7,8 +7,8 @@ import torch
 
 from conftest import reference_logprobs
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
-from rollout.engine import attention, plan as plan_mod
-from rollout.engine.attention import NAME
+from rollout.engine.upstream import attention, plan as plan_mod
+from rollout.engine.upstream.attention import NAME
 
 TOL = 1e-5
 
@@ -137,7 +137,7 @@ def test_a_plain_forward_under_rollout_paged_is_sdpa_padding_and_gradients_inclu
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     with torch.no_grad():
         expected = model(input_ids=ids, attention_mask=mask).logits
-    model.set_attn_implementation(NAME)
+    attention.set_attn_implementation(model, NAME)  # registers rollout_paged first (install())
     try:
         got = model(input_ids=ids, attention_mask=mask).logits
         got[:, -1].sum().backward()
@@ -162,7 +162,7 @@ def test_the_engine_allocates_no_dense_mask_and_builds_none_per_step(tiny, monke
         assert calls == []  # no per-step [tokens, tokens] mask on the engine thread
         assert model.config._attn_implementation == "sdpa"  # the owner's attention is back
     # off the engine thread the same name builds sdpa's mask (a packed or padded trainer forward needs it)
-    model.set_attn_implementation(NAME)
+    attention.set_attn_implementation(model, NAME)  # registers rollout_paged first (install())
     try:
         with torch.no_grad():
             model(input_ids=torch.tensor([[5, 6, 7, 8]]), attention_mask=torch.tensor([[0, 1, 1, 1]]))

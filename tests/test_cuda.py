@@ -11,7 +11,7 @@ import torch
 
 from rollout import WorkerConfig
 from rollout.engine import cuda, sizing
-from rollout.engine.attention import NAME, resolve_attn_implementation
+from rollout.engine.upstream.attention import NAME, resolve_attn_implementation
 
 
 def stand_in(device: str, attn: str, max_positions: int | None = 4096, dtype=torch.bfloat16):

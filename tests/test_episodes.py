@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import reference_logprobs
-from rollout import RolloutBatch, RolloutWorker, SamplingParams, Turn, WorkerConfig
+from rollout import EpisodeSpec, RolloutBatch, RolloutWorker, SamplingParams, Turn, WorkerConfig
 
 TOL = 1e-5
 PAGE = 16
@@ -188,6 +188,17 @@ def test_done_ends_the_episode_and_the_last_turns_reward_counts(worker):
     assert batch.completion_lengths.tolist() == [4 + 19 + 4] * 2
 
 
+def test_an_episode_spec_runs_the_same_episodes_as_its_fields_given_as_keywords(worker):
+    spec = EpisodeSpec(DoneAtTurn, max_turns=5, max_episode_tokens=40)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True, seed=3)
+    by_spec = worker.generate(prompts_of([10, 15]), params, episode=spec)
+    by_keywords = worker.generate(prompts_of([10, 15]), params, **spec.kwargs())
+    assert by_spec.finish_reason == by_keywords.finish_reason == ["done", "done"]
+    assert torch.equal(by_spec.completion_ids, by_keywords.completion_ids)
+    assert torch.equal(by_spec.action_mask, by_keywords.action_mask)
+    assert_exact_episodes(worker.model, by_spec)
+
+
 def test_the_episode_token_budget_ends_it_with_length(worker):
     # budget 30: turn (8) + observation (19) = 27; the next observation would leave no room: "length"
     batch = worker.generate(prompts_of([10]), SamplingParams(max_new_tokens=8, ignore_eos=True), env=Echo,
@@ -297,7 +308,7 @@ def test_a_call_that_times_out_closes_its_environments_and_leaves_nothing_behind
     assert set(make_env.envs) == {(0, 0), (1, 0), (2, 0)}
     assert all(env.closed == 1 for env in make_env.envs.values())
     engine = worker.engine
-    assert not engine._pending and not engine._stepping and not engine._rerun
+    assert not engine._pending and not engine._driver.stepping and not engine._rerun
     batch = worker.generate(prompts_of([8]), SamplingParams(max_new_tokens=3, ignore_eos=True), env=Echo, max_turns=2)
     assert_exact_episodes(worker.model, batch)
 
@@ -316,6 +327,9 @@ def test_without_an_environment_the_new_fields_are_neutral(worker):
     (dict(max_episode_tokens=10), "max_episode_tokens"),
     (dict(env=Echo, max_episode_tokens=10**6), "max_episode_tokens"),
     (dict(env=Echo, env_timeout=0), "env_timeout"),
+    (dict(episode=EpisodeSpec(Echo, max_turns=2), env=Echo), "episode"),
+    (dict(episode=EpisodeSpec(Echo, max_turns=2), max_turns=3), "episode"),
+    (dict(episode={"env": Echo}), "episode"),
 ])
 def test_bad_episode_arguments_are_rejected_before_anything_runs(worker, kwargs, field):
     before = worker.engine.num_prompt_tokens

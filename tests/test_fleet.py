@@ -212,6 +212,46 @@ def _stats(fleet) -> list[dict]:
     return ray.get([a.info.options(concurrency_group="control").remote() for a in fleet.actors])
 
 
+def test_a_worker_and_a_fleet_keep_one_contract_and_their_servers_stop_on_the_same_ids(fleet, tiny_path, tmp_path):
+    """The same checkpoint behind a RolloutWorker and a RolloutFleet reports the same Rollouts properties, and a server
+    over either stops on the generation config's EOS list (here two ids, the second one a token greedy decoding
+    writes): the fleet's server once stopped on the tokenizer's EOS only and ran past it."""
+    import json
+    import shutil
+    import urllib.request
+
+    import openai
+
+    from rollout import RolloutFleet, Rollouts
+
+    path = tmp_path / "two_eos"
+    shutil.copytree(tiny_path, path)
+    prompt = prompt_of(9, 3)
+    with RolloutWorker(str(path), CONFIG) as worker:
+        free = worker.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))
+        eos = worker.default_stop_ids
+    stop = free.completion_token_lists()[0][3]  # greedy's 4th token: a second EOS id, not the tokenizer's
+    assert stop not in free.completion_token_lists()[0][:3] and stop not in eos
+    config = json.loads((path / "generation_config.json").read_text())
+    config["eos_token_id"] = [*eos, stop]
+    (path / "generation_config.json").write_text(json.dumps(config))
+    with RolloutWorker(str(path), CONFIG) as worker, RolloutFleet(str(path), num_workers=1, config=CONFIG) as other:
+        assert isinstance(worker, Rollouts) and isinstance(other, Rollouts)
+        for name in ("vocab_size", "max_context", "max_request_tokens", "default_stop_ids", "model_name"):
+            assert getattr(worker, name) == getattr(other, name), name
+        assert worker.default_stop_ids == (*eos, stop) and worker.model_name == "two_eos"
+        assert worker.supports_streaming and not other.supports_streaming
+        answers = []
+        for rollouts in (worker, other):
+            with rollout.serve(rollouts, port=0) as server:
+                client = openai.OpenAI(base_url=server.url, api_key="-", max_retries=0, timeout=300)
+                models = json.loads(urllib.request.urlopen(server.url + "/models", timeout=30).read())
+                assert [m["id"] for m in models["data"]] == ["two_eos"]
+                r = client.completions.create(model="two_eos", prompt=prompt, max_tokens=8, temperature=0)
+                answers.append((r.choices[0].finish_reason, r.choices[0].model_extra["token_ids"]))
+        assert answers[0] == answers[1] == ("stop", free.completion_token_lists()[0][:4])
+
+
 def test_rows_come_back_in_input_order_and_equal_a_plain_forward(fleet, local):
     from rollout import Rollouts
 
@@ -561,6 +601,32 @@ def test_groups_stream_back_as_each_finishes_and_calls_run_side_by_side(fleet, l
             assert torch.allclose(group.logprobs[r, : len(completion)], full, atol=TOL)
     assert sorted(order) == list(range(6)) and set(order[:3]) == {1, 3, 5}  # the short ones first
     assert future.result().prompt_index.tolist() == [i for i in range(6) for _ in range(2)]
+
+
+def test_a_cancelled_fleet_call_counts_the_tokens_its_actors_threw_away_and_runs_done_callbacks(fleet):
+    """FleetFuture keeps RolloutsFuture: add_done_callback(fn) gets the future once it is over (at once after), and
+    discarded_tokens is what the actors' workers had sampled for the groups the cancel dropped (0 before)."""
+    from rollout import RolloutsFuture
+
+    prompts = [prompt_of(5 + i, 300 + i) for i in range(4)]
+    before = fleet.metrics().total.sampled_tokens
+    future = fleet.submit(prompts, SamplingParams(n=2, max_new_tokens=600, ignore_eos=True))
+    assert isinstance(future, RolloutsFuture)
+    seen = []
+    future.add_done_callback(seen.append)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and fleet.metrics().total.sampled_tokens - before < 40:
+        time.sleep(0.2)
+    assert future.discarded_tokens == 0 and seen == []
+    assert future.cancel() and future.cancelled()
+    deadline = time.monotonic() + 30
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert seen == [future]
+    assert 20 <= future.discarded_tokens <= len(prompts) * 2 * 600  # what ran before the cancel, no more
+    late = []
+    future.add_done_callback(late.append)
+    assert late == [future]
 
 
 def test_the_collector_filters_and_carries_groups_on_the_fleet_exactly(fleet, local):

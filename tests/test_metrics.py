@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import re
 import socket
 import time
@@ -175,15 +176,18 @@ def test_a_cancelled_call_leaves_no_request_or_page_behind_and_later_counts_stay
     assert counted(cancelled, after)["sampled_tokens"] == int(batch.completion_lengths.sum())
 
 
-def test_counters_survive_an_engine_restart_and_count_each_row_once(worker, inject_engine_fault):
+def test_counters_survive_an_engine_restart_and_count_each_row_once(worker, inject_engine_fault, caplog):
     prompts = prompts_of([7, 12, 30])
     warm = worker.generate(prompts, SamplingParams(n=2, max_new_tokens=6, ignore_eos=True))
     before = worker.metrics()
     inject_engine_fault(5)  # mid-call: the engine thread dies, the worker rebuilds it and re-runs what it lost
-    batch = worker.generate(prompts, SamplingParams(n=2, max_new_tokens=20, ignore_eos=True))
+    with caplog.at_level(logging.WARNING, logger="rollout"):
+        batch = worker.generate(prompts, SamplingParams(n=2, max_new_tokens=20, ignore_eos=True))
     after = worker.metrics()
     delta = counted(before, after)
     assert delta["engine_restarts"] == 1 and len(warm) == len(batch) == 6
+    restarts = [r.getMessage() for r in caplog.records if r.name == "rollout" and "engine thread died" in r.getMessage()]
+    assert len(restarts) == 1 and "RuntimeError: injected engine fault" in restarts[0]  # the fatal error, logged
     assert delta["generated_tokens"] == int(batch.completion_lengths.sum()) == 120  # re-run rows counted once
     assert delta["rows_finished"] == {"length": 6} and delta["sampled_tokens"] >= 120
     assert all(v >= 0 for v in delta.values() if not isinstance(v, dict))  # nothing went backwards

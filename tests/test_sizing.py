@@ -72,7 +72,9 @@ def test_a_fraction_budget_stays_within_what_upstreams_memory_plan_accepts(tiny,
 
     nodes = 256 * 2**20  # the memory the process's NUMA nodes report
     breakdown = lambda: (torch.device("cpu"), nodes, 0, 0)  # noqa: E731  (device, total, reserved, allocated)
-    monkeypatch.setattr(sizing, "get_device_and_memory_breakdown", breakdown)
+    from rollout.engine.upstream import memory
+
+    monkeypatch.setattr(memory, "get_device_and_memory_breakdown", breakdown)
     monkeypatch.setattr(upstream_cache, "get_device_and_memory_breakdown", breakdown)
     monkeypatch.setattr(sizing, "free_memory", lambda device: 4 * nodes)  # MemAvailable: four times the nodes
     layers = model.config.num_hidden_layers

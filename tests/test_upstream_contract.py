@@ -3,41 +3,16 @@ upgrade that changes any of it must fail here, loudly, before it silently breaks
 
 Upstream offers no public extension points for what the engine layer needs (per-row sampling with exact logprobs,
 a daemon loop thread, our own request ids and children, a mask-free attention, a loop that can die and be rebuilt),
-so rollout/engine/ (and only it: tests/test_layout.py) reaches into it. Every such hook, where it is used and why:
+so rollout/engine/upstream/ (and only it: tests/test_layout.py) reaches into it, installed by one explicit
+`install()` (importing rollout changes nothing in transformers). Every such hook, where it is used and why:
 
-Private attributes and methods (`test_the_hook_list_is_complete` checks this list against the engine's source):
-- `ModelRunner._forward_process_and_sample` (runner.py overrides it): forward + logits processing + sampling in one
-  method; ours samples every row with its own params and computes both logprobs from the same logits.
-- `FIFOScheduler._schedule_request` (scheduler.py overrides it): where a prompt's n samples are forked; a 1-token
-  remainder forks with a 0-token forward that kills the loop, so ours splits those children first.
-- `ContinuousBatchingManager._create_batch_processor` (core.py calls it before starting): builds the batch processor
-  (and its model runner) ahead of the loop so the runner can be swapped for ours; the loop reuses that processor.
-- `ContinuousBatchingManager._run_generation_loop` (manager.py wraps it, core.py starts it): the loop body, run on
-  a daemon thread of ours (upstream's `start()` makes a non-daemon one that hangs interpreter exit).
-- `ContinuousBatchingManager._generation_step` (manager.py wraps it while a `TurnTrace` is set): one step's forward,
-  whose start and end the trace records (the engine idling with a turn ready is time outside every step).
-- `ContinuousBatchingManager._generation_thread` (core.py sets and reads it): the loop thread `is_running()`/`stop()`
-  look at.
-- `ContinuousBatchingManager._wake_up_loop` (core.py sets it): `add_request` cannot submit a RequestState with our
-  request id, children and eos list, so core.py puts it on `input_queue` itself and wakes the idle loop the same way.
-- `config._attn_implementation` (attention.py, manager.py, memory.py; scoring reads it too): the attention a model
-  runs; transformers has a setter (`set_attn_implementation`) but no public getter.
-- `FIFOScheduler._infer_request_tokens` (scheduler.py wraps it): where a pending request's prefix-cache match is
-  taken (status PENDING -> PREFILLING, `position_offset` advanced past the matched tokens); the wrapper counts the
-  reused tokens an episode's turns did not prefill.
-- `RequestState._status` (switch.py sets it): a request soft reset for a "recompute" weight switch is marked
-  FINISHED the way upstream's own preemption marks it (bypassing the setter's lifespan bookkeeping) before
-  `create_equivalent_initial_request()`'s copy is requeued; `cpu_offload_space` must stay 0 (no CPU swap pool whose
-  KV would come back from old weights).
-- `FullAttentionCacheAllocator._kv_token_views` (attention.py): per-layer [cache rows, kv heads, head dim] views of
-  the paged cache that `rollout_paged` reads straight from, by the allocator's indices.
-- `torch.ops.aten._scaled_dot_product_flash_attention_for_cpu` (attention.py): the CPU flash kernel, the only SDPA
-  that also returns the log-sum-exp that merging shared-prefix attention needs.
+Private attributes and methods: `rollout.engine.upstream.HOOKS` (symbol, owner, files, why), the one table;
+`test_the_hook_list_is_complete` checks it against the engine's source, and the tests below pin each behaviour.
 
 Public but internal (no underscore, same risk):
 - `background_thread_status.fatal_error` (core.py `Engine.is_alive`): how a loop that died is told from one that
   runs; the engine then rebuilds the manager and re-runs what it lost.
-- `manager.input_queue` (core.py): where submitted RequestStates wait for the scheduler.
+- `manager.input_queue` (upstream/manager.py): where submitted RequestStates wait for the scheduler.
 - The `output_ids` row layout (runner.py writes it): row 0 the sampled tokens, row 1 their logprobs as the int32
   view of fp32 values; upstream reads both back when it updates the batch.
 - `PagedAttentionMemoryHandler.num_attention_masks` / `.kv_heads_at_peak` (memory.py patches `__init__` to set
@@ -70,7 +45,7 @@ Public but internal (no underscore, same risk):
   `offload_requests` takes out of the active set (the batch processor's only way to preempt); the KV peak is read
   once a step's pages are allocated; a re-admitted request (soft reset) is told from a new one by its logprobs.
 - `OutputRouter.deliver` / `deliver_batch` (router.py overrides them), `ContinuousBatchingManager.start`'s body
-  (replayed by core.py with a daemon thread), `switch_to_cb_friendly_attn` (manager.py lets `rollout_paged` through),
+  (replayed by upstream/manager.py with a daemon thread), `switch_to_cb_friendly_attn` (manager.py lets `rollout_paged` through),
   the `PagedAttentionArgs` fields and `FullAttentionCacheAllocator.update`'s signature (attention.py), and
   `attn_mask_is_needed` being false for `rollout_paged` (no dense mask is allocated).
 """
@@ -82,6 +57,9 @@ import copy
 import inspect
 import queue
 import re
+import subprocess
+import sys
+import textwrap
 import threading
 from pathlib import Path
 
@@ -101,15 +79,12 @@ from transformers.generation.continuous_batching.scheduler import FIFOScheduler
 from transformers.generation.continuous_batching.utils import attn_mask_is_needed
 
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
-from rollout.engine import plan as plan_mod
-from rollout.engine.attention import NAME
-from rollout.engine.runner import OUTPUT_ROWS, RolloutModelRunner
-from rollout.engine.scheduler import RolloutScheduler
+from rollout.engine.upstream import plan as plan_mod
+from rollout.engine.upstream import HOOKS, install
+from rollout.engine.upstream.attention import NAME
+from rollout.engine.upstream.runner import OUTPUT_ROWS, RolloutModelRunner
+from rollout.engine.upstream.scheduler import RolloutScheduler
 
-# the private names above, as the completeness check finds them in rollout/engine/
-HOOKS = {"_forward_process_and_sample", "_schedule_request", "_create_batch_processor", "_run_generation_loop",
-         "_generation_step", "_generation_thread", "_wake_up_loop", "_attn_implementation", "_kv_token_views",
-         "_scaled_dot_product_flash_attention_for_cpu", "_infer_request_tokens", "_status"}
 ENGINE = Path(__file__).resolve().parents[1] / "rollout" / "engine"
 
 
@@ -126,21 +101,55 @@ def test_transformers_is_the_pinned_version():
 
 def test_the_hook_list_is_complete():
     """Every `_name` the engine layer uses that upstream also defines (an upstream private it calls, reads or
-    overrides) is one of HOOKS, listed with its reason in this module's docstring."""
+    overrides) is in HOOKS with every file that uses it, and every listed use still exists."""
     upstream = Path(transformers.__file__).parent
     text = "\n".join(p.read_text() for p in (upstream / "generation" / "continuous_batching").rglob("*.py"))
     text += (upstream / "configuration_utils.py").read_text()
-    used = set()
-    for path in ENGINE.glob("*.py"):
+    used = set()  # (name, file)
+    for path in ENGINE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "name", None) \
                 if isinstance(node, ast.FunctionDef) else None
             if name and name.startswith("_") and not name.startswith("__"):
-                used.add(name)
-    upstream_privates = {n for n in used if re.search(rf"\b{re.escape(n)}\b", text)}
-    assert upstream_privates - HOOKS == set(), "list it in HOOKS and in the docstring, with the reason"
-    assert HOOKS - used == set(), "a hook the engine no longer uses: drop it from the list"
-    assert all(f"{hook}`" in __doc__ for hook in HOOKS)
+                used.add((name, str(path.relative_to(ENGINE))))
+    listed = {(hook.symbol, file) for hook in HOOKS for file in hook.files}
+    upstream_privates = {(n, f) for n, f in used if re.search(rf"\b{re.escape(n)}\b", text)}
+    assert upstream_privates - listed == set(), "list it in rollout/engine/upstream/hooks.py, with the reason"
+    assert listed - used == set(), "a hook the engine no longer uses there: drop it from the table"
+    assert all(file.startswith("upstream/") for _, file in upstream_privates), "hooks live in rollout/engine/upstream/"
+    assert all(hook.why and hook.owner for hook in HOOKS)
+
+
+def test_importing_rollout_changes_nothing_in_transformers_until_install():
+    """In a fresh process: importing every rollout module leaves transformers as it was; install() plugs every hook
+    in, and a second call changes nothing more."""
+    script = textwrap.dedent("""
+        import importlib, pkgutil
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+        from transformers.generation.continuous_batching import cache, initialization, scheduler
+        def state():
+            return (AttentionInterface._global_mapping.get("rollout_paged"),
+                    AttentionMaskInterface._global_mapping.get("rollout_paged"),
+                    scheduler.SCHEDULER_MAPPING.get("rollout_fifo"),
+                    initialization.ensure_decode_fast_path_is_available,
+                    cache.PagedAttentionMemoryHandler.__init__, cache.torch)
+        before = state()
+        import rollout
+        for info in pkgutil.walk_packages(rollout.__path__, "rollout."):
+            importlib.import_module(info.name)
+        assert state() == before, "an import changed transformers"
+        from rollout.engine.upstream import install, is_installed
+        assert not is_installed()
+        install()
+        after = state()
+        assert all(a is not b for a, b in zip(after, before)), after
+        install()
+        assert state() == after
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------- overridden methods
@@ -297,6 +306,7 @@ def test_every_forward_gets_fresh_cu_seq_lens_q_and_read_index(worker, monkeypat
 
 
 def test_the_memory_plan_attributes_are_set_at_init_and_read_by_the_footprint():
+    install()  # what the engine does before it builds a manager
     from transformers import LlamaConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -314,16 +324,17 @@ def test_the_memory_plan_attributes_are_set_at_init_and_read_by_the_footprint():
 
 
 def test_the_paged_cache_is_one_uint8_zeros_allocation_through_its_modules_torch():
+    install()  # what the engine does before it builds a manager
     from transformers.generation.continuous_batching import cache as cache_module
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
-    from rollout.engine import memory
+    from rollout.engine.upstream import memory
 
     source = inspect.getsource(PagedAttentionCache.__init__)
     assert len(re.findall(r"torch\.zeros\(", source)) == 1
     assert "self.cache_tensor = torch.zeros(non_trash_bytes + trash_bytes, dtype=torch.uint8, device=self.device)" \
         in source
-    assert isinstance(cache_module.torch, memory._CacheTorch)
+    assert isinstance(cache_module.torch, memory.CacheTorch)
     lazy = cache_module.torch.zeros(3 * 2**20, dtype=torch.uint8, device=torch.device("cpu"))
     assert lazy.dtype == torch.uint8 and lazy.shape == (3 * 2**20,) and int(lazy.count_nonzero()) == 0
     assert cache_module.torch.zeros(2, 3).shape == (2, 3)  # every other call is torch's own
@@ -331,15 +342,16 @@ def test_the_paged_cache_is_one_uint8_zeros_allocation_through_its_modules_torch
 
 
 def test_the_decode_fast_path_check_is_looked_up_by_name_and_kept_for_rollout_paged():
+    install()  # what the engine does before it builds a manager
     from transformers import LlamaConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
     from transformers.generation.continuous_batching import initialization
 
-    from rollout.engine import blocktable
+    from rollout.engine.upstream import blocktable
 
     source = inspect.getsource(initialization.resolve_continuous_batching_config)
     assert "ensure_decode_fast_path_is_available(config, cb_config, user_requested_decode_path)" in source
-    assert initialization.ensure_decode_fast_path_is_available is blocktable._keep_block_tables
+    assert initialization.ensure_decode_fast_path_is_available is blocktable.keep_block_tables
     config = LlamaConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=128)
     for impl, kept in (("sdpa", 0), (NAME, 9)):
@@ -375,7 +387,7 @@ def test_block_table_rows_hold_each_requests_pages_of_the_layers_token_view(work
 
 
 def test_a_decode_only_step_comes_with_a_block_table_and_no_per_token_indices(worker, monkeypatch):
-    from rollout.engine import plan as plan_mod
+    from rollout.engine.upstream import plan as plan_mod
 
     seen = []
     build = plan_mod._build_plan
@@ -430,7 +442,7 @@ def test_preemption_goes_through_offload_requests_which_takes_requests_out_of_th
     from transformers.generation.continuous_batching.offloading_manager import OffloadingManager
 
     from rollout.engine.counters import kv_pages
-    from rollout.engine.preemption import RolloutOffloading
+    from rollout.engine.upstream.preemption import RolloutOffloading
 
     prepare = inspect.getsource(ContinuousBatchProcessor.prepare_next_batch)
     assert prepare.count("self.offloading_manager.offload_requests()") == 2
@@ -481,12 +493,12 @@ def test_the_memory_plan_accepts_the_share_sizing_assumes():
     from transformers.generation.continuous_batching import cache as upstream_cache
     from transformers.generation.continuous_batching.initialization import resolve_max_memory_percent
 
-    from rollout.engine import sizing
+    from rollout.engine.upstream import memory
 
-    for device, expected in (("cpu", sizing.PLAN_SHARE["cpu"]), ("cuda", sizing.PLAN_SHARE_DEFAULT)):
+    for device, expected in (("cpu", memory.PLAN_SHARE["cpu"]), ("cuda", memory.PLAN_SHARE_DEFAULT)):
         config = ContinuousBatchingConfig()
         resolve_max_memory_percent(config, has_logit_processors=False, device=torch.device(device))
         assert config.max_memory_percent == expected, device
-    assert upstream_cache.get_device_and_memory_breakdown is sizing.get_device_and_memory_breakdown
+    assert upstream_cache.get_device_and_memory_breakdown is memory.get_device_and_memory_breakdown
     source = inspect.getsource(upstream_cache.PagedAttentionMemoryHandler.get_available_memory)
     assert "total - max(allocated, reserved)" in source and "max_memory_percent" in source

@@ -7,7 +7,7 @@ import torch
 from conftest import reference_logprobs
 
 from rollout import RolloutBatch, RolloutWorker, SamplingParams, WorkerConfig
-from rollout.engine.runner import RolloutModelRunner
+from rollout.engine.upstream.runner import RolloutModelRunner
 
 TOL = 1e-5
 

@@ -45,7 +45,7 @@ class RolloutLoop:
         self._prompts = prompt_stream(prompts)
         self.num_steps = 0
         self.history: list[dict[str, float]] = []
-        self.base_version = int(getattr(self.rollouts, "policy_version", 0))  # rollout versions continue from here
+        self.base_version = int(self.rollouts.policy_version)  # rollout versions continue from here
         self.step_version = self.base_version  # the version the trainer holds during a step's update
         shared = shares_model(self.rollouts, self.model)
         for flag in ("async_rollouts", "partial_rollouts"):

@@ -163,4 +163,4 @@ def prompt_stream(prompts: Callable[[int], Any] | Iterable[Any]) -> Callable[[in
 
 def pad_token_id(rollouts: Rollouts) -> int:
     """The rollout side's pad id (0 when it has no tokenizer): fills padding of packed rows, never read."""
-    return tokenizer_pad_id(getattr(rollouts, "tokenizer", None))
+    return tokenizer_pad_id(rollouts.tokenizer)

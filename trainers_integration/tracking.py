@@ -23,16 +23,14 @@ from typing import Any
 
 import torch
 
+from rollout import Rollouts
+
 NAN = float("nan")
 
 
-def rollout_metrics(rollouts: Any, prefix: str = "rollout/") -> dict[str, float]:
-    """The rollout side's metrics, flattened (empty when it has none)."""
-    metrics = getattr(rollouts, "metrics", None)
-    if metrics is None:
-        return {}
-    snapshot = metrics()
-    return snapshot.flat(prefix) if snapshot is not None else {}
+def rollout_metrics(rollouts: Rollouts, prefix: str = "rollout/") -> dict[str, float]:
+    """The rollout side's metrics, flattened."""
+    return rollouts.metrics().flat(prefix)
 
 
 def offpolicy_split(trainer_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor,

@@ -112,8 +112,18 @@ class EpisodeSpec:
 
     @classmethod
     def of(cls, env: EnvFactory | None, max_turns: int, max_episode_tokens: int | None,
-           env_timeout: float | None) -> "EpisodeSpec | None":
-        """The spec of a call, or None for a plain (single-turn, environment-free) call."""
+           env_timeout: float | None, episode: "EpisodeSpec | None" = None) -> "EpisodeSpec | None":
+        """The spec of a call, or None for a plain (single-turn, environment-free) call: `episode` as given, or the
+        one the keywords (sugar for it) describe; both at once is refused."""
+        if episode is not None:
+            if not isinstance(episode, EpisodeSpec):
+                raise invalid("episode", preview(episode), "must be a rollout.EpisodeSpec",
+                              "pass episode=EpisodeSpec(make_env, max_turns=...), or the env= keywords")
+            if env is not None or max_turns != 1 or max_episode_tokens is not None or env_timeout != 300.0:
+                raise invalid("episode", episode, "the episode fields were given twice (episode= and env=, "
+                              "max_turns=, max_episode_tokens= or env_timeout=)",
+                              "pass episode=EpisodeSpec(...) alone, or the keywords alone")
+            return episode
         if env is not None:
             return cls(env, max_turns, max_episode_tokens, env_timeout)
         if max_turns != 1 or max_episode_tokens is not None:

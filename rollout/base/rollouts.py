@@ -4,17 +4,22 @@
 types against `Rollouts` and takes either (tests/test_worker.py checks both, by signature). A worker that shares
 the trainer's model also has `refresh(version)` (the weights changed in place: no copy); that is the worker's own,
 and a trainer checks for it (`worker.model is policy`) before calling it.
+
+Consumers (the server, the collector, the CLI, the trainers) use exactly this contract, with no `getattr` fallbacks:
+a server in front of a fleet stops on the same ids, limits requests the same way and names the model the same way as
+one in front of a worker (tests/test_fleet.py checks both side by side).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from .batch import RolloutBatch
-from .env import EnvFactory
+from .env import EnvFactory, EpisodeSpec
 from .params import SamplingParams
 
 
@@ -47,9 +52,47 @@ class RolloutsFuture(Protocol):
         """Model tokens sampled for groups a cancel threw away (0 until cancelled)."""
 
 
+def request_limit(max_context: int | None, max_request_tokens: int) -> int:
+    """The most tokens (prompt + completion, or a whole episode) one request may hold: the model's context and what
+    the KV cache holds for one request, whichever is less. The one place this is computed."""
+    return max_request_tokens if max_context is None else min(int(max_context), int(max_request_tokens))
+
+
+def model_name(name_or_path: str | None) -> str:
+    """What a model is called to clients (the server's default `model`): its checkpoint folder's name, else
+    "rollout" (a model built in memory)."""
+    return os.path.basename(os.path.normpath(name_or_path)) if name_or_path else "rollout"
+
+
 @runtime_checkable
 class Rollouts(Protocol):
     tokenizer: Any  # the tokenizer text prompts are encoded with, or None (token-id prompts only)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids are in [0, vocab_size) (the output embedding's rows)."""
+
+    @property
+    def max_context(self) -> int | None:
+        """The model's context length (`max_position_embeddings`), or None if its config states none."""
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The longest request (prompt + completion) the KV cache holds (a fleet: its smallest actor's)."""
+
+    @property
+    def default_stop_ids(self) -> tuple[int, ...]:
+        """The ids a row stops on unless its SamplingParams say otherwise: the generation config's EOS list, else
+        the model config's, else the tokenizer's EOS, else none."""
+
+    @property
+    def supports_streaming(self) -> bool:
+        """`submit(..., on_tokens=fn)` streams each row's tokens as they are sampled (a worker); False: rows arrive
+        as their group finishes (`as_completed`, a fleet)."""
+
+    @property
+    def model_name(self) -> str:
+        """What the model is called to clients (`model_name(config.name_or_path)`)."""
 
     @property
     def policy_version(self) -> int:
@@ -58,13 +101,15 @@ class Rollouts(Protocol):
     def generate(self, prompts: Sequence[Any], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  chat_template: bool = False, timeout: float | None = None, env: EnvFactory | None = None,
                  max_turns: int = 1, max_episode_tokens: int | None = None,
-                 env_timeout: float | None = 300.0) -> RolloutBatch:
-        """Every sample of every prompt, rows prompt-major; the whole call is validated before any work. With `env`,
-        every sample is a multi-turn episode (docs/episodes.md)."""
+                 env_timeout: float | None = 300.0, episode: EpisodeSpec | None = None) -> RolloutBatch:
+        """Every sample of every prompt, rows prompt-major; the whole call is validated before any work. With
+        `episode` (or its fields as keywords: env, max_turns, ...), every sample is a multi-turn episode
+        (docs/episodes.md)."""
 
     def submit(self, prompts: Sequence[Any], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                chat_template: bool = False, env: EnvFactory | None = None, max_turns: int = 1,
-               max_episode_tokens: int | None = None, env_timeout: float | None = 300.0) -> Any:
+               max_episode_tokens: int | None = None, env_timeout: float | None = 300.0,
+               episode: EpisodeSpec | None = None) -> RolloutsFuture:
         """`generate`, returning at once a future (`done()`, `result(timeout)`, `cancel()`; docs/async.md) whose
         `as_completed(timeout)` yields each prompt's group as a RolloutBatch as soon as it finishes (docs/collector.md:
         what `rollout.RolloutCollector` builds on)."""

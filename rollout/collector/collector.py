@@ -321,7 +321,7 @@ class RolloutCollector:
         aborted)."""
         for wave in waves:
             wave.future.cancel()
-            self._stats["over_generated_tokens"] += int(getattr(wave.future, "discarded_tokens", 0))
+            self._stats["over_generated_tokens"] += int(wave.future.discarded_tokens)
         for wave in waves:
             if wave.thread is not None and wave.thread is not threading.current_thread():
                 wave.thread.join()

@@ -1,15 +1,17 @@
 """Engine: one persistent transformers continuous-batching manager, made exact and unkillable.
 
 The engine knows token ids and SamplingParams, nothing about tokenizers or trainers. It
-- owns its `ContinuousBatchingManager` (built once, started once, sized by WorkerConfig, never cached on the model);
-- plugs in the hooks of `runner.py` (per-row sampling with both logprobs, the fork fix, one output callback);
-- takes calls asynchronously (`submit`): every accepted sample is tracked until it comes back exactly once; a
-  supervisor thread rebuilds the manager when the engine thread dies and re-runs what it lost (up to `max_retries`
-  times each), and settles each call once it is over;
-- runs multi-turn episodes (environment steps off the engine thread, see episode.py and stepper.py);
+- owns its manager (`upstream.RolloutManager`: built with every hook given at construction, `upstream.Hooks`;
+  sized by WorkerConfig, never cached on the model), after `upstream.install()`;
+- takes calls asynchronously (`submit`): every accepted sample is tracked until it comes back exactly once (its
+  logprobs, versions and row parameters in `ledger.py`); a supervisor thread rebuilds the manager when the engine
+  thread dies (logged on the "rollout" logger with the error) and re-runs what it lost (up to `max_retries` times
+  each), and settles each call once it is over;
+- hands an episode's finished turns to its `EpisodeDriver` (driver.py), which steps the environment off the engine
+  thread and submits the next turn through the engine;
 - fences weight changes: `exclusive(mode)` stops new submissions, then "wait"s for what is in flight, "abort"s it
   (re-run from scratch after the switch), "recompute"s its KV under the new weights, or "keep"s it; the loop is
-  paused and the prefix cache forgotten (switch.py), so no later request reads KV computed with other weights, and
+  paused and the prefix cache forgotten (upstream/switch.py), so no later request reads KV computed with other weights, and
   every sampled token records the version that produced it.
 - sleeps: `sleep()` waits for what is in flight, then stops and drops the manager with its KV cache and step buffers
   (the model's weights stay); `wake()`, or the next `submit`, builds a fresh one (an empty prefix cache, so nothing
@@ -21,36 +23,32 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
+import logging
 import threading
 import time
 
 import torch
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
-from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
-from transformers.generation.continuous_batching.model_runner import infer_max_single_request_tokens
-from transformers.generation.continuous_batching.requests import GenerationOutput, RequestState, RequestStatus
 
 from ..base.batch import Row
 from ..base.config import WorkerConfig, check_in_flight
 from ..base.params import SamplingParams
 from ..moe import Routing, find_routers
-from . import cuda, memory, sizing, switch  # noqa: F401  (memory: patches upstream's memory plan for rollout_paged)
-from .blocktable import RolloutCache  # also keeps upstream's decode fast path on for rollout_paged
+from . import cuda, sizing
 from .call import Call, Sample
-from .counters import Counters, kv_pages
+from .counters import Counters
+from .driver import EpisodeDriver
 from .ledger import Entry, Ledger, split_tops
-from .manager import RolloutManager
-from .preemption import RolloutOffloading
 from .recorder import RoutingHole, RoutingRecorder
-from .router import RolloutRouter
-from .runner import RolloutIOs, RolloutModelRunner, RowSlotArgs, TopReader
 from .sampler import RowSpec
-from .scheduler import CHILD_SEPARATOR, SCHEDULER_NAME
 from .slots import SlotTable
-from .stepper import Stepper
+from .upstream import (CHILD_SEPARATOR, SCHEDULER_NAME, GenerationOutput, Hooks, RequestState, RequestStatus,
+                       RolloutManager, RowSlotArgs, TopReader, install, kv_pages, switch)
 from .streams import stream_key
 from .trace import TurnTrace
+
+LOG = logging.getLogger("rollout")
 
 # The first word of a random stream's key (streams.py): seeded and unseeded samples never share a stream. A stream's
 # counter is the position sampled at, so the turns of an episode (new requests, later positions) never replay it.
@@ -70,6 +68,7 @@ def release_memory() -> None:
 
 class Engine:
     def __init__(self, model, config: WorkerConfig, version: int = 0) -> None:
+        install()  # the hooks on transformers this engine relies on (upstream/install.py), once per process
         self.model = model
         self.config = config.for_device(model.device)  # every size resolved (the device's defaults)
         self.version = version
@@ -81,14 +80,14 @@ class Engine:
         self._pending: dict[str, Sample] = {}  # engine request id -> sample
         self._rerun: list[Sample] = []  # samples whose engine request failed; re-run by the supervisor
         self._ledger = Ledger(lambda request_id: request_id in self._pending)
-        self._stepping: set[Sample] = set()  # episodes whose environment step is running
         self._calls: list[Call] = []  # submitted and not settled yet
         self._updating = False
         self._closed = False
         self.num_prompt_tokens = 0  # every engine request's prompt tokens, and those served by the prefix cache
         self.num_reused_tokens = 0
         self.counters = Counters()  # the rest of what metrics() reports; kept across restarts and sleeps
-        self._stepper = Stepper(config.env_threads)
+        self._driver = EpisodeDriver(self._cond, self.counters, config.env_threads, self._submit,
+                                     lambda: self.version)
         self._call_index = itertools.count()  # keys the random streams of a call's unseeded samples
         self.trace: TurnTrace | None = None  # set one to time episodes' turns (trace.py); None records nothing
         # the MoE routers whose choices are recorded (WorkerConfig.record_routing; an unknown router fails here)
@@ -99,7 +98,7 @@ class Engine:
         self._supervisor.start()
 
     # ------------------------------------------------------------------ lifecycle
-    def _build_manager(self) -> ContinuousBatchingManager:
+    def _build_manager(self) -> RolloutManager:
         gen_config = GenerationConfig(do_sample=False, max_new_tokens=None, eos_token_id=None)
         blocks = sizing.num_blocks(self.config, self.model)
         graphs = cuda.captures(self.model, self.config) and self._routers is None  # a replayed graph runs no hooks
@@ -111,28 +110,20 @@ class Engine:
             max_blocks_per_request=sizing.block_table_width(self.model, self.config, blocks))
         table = SlotTable(self.model.device, SLOTS_PER_BATCH_ROW * self.config.max_requests_per_batch, self._row_spec,
                           lambda request_id: request_id in self._pending)
+        hooks = Hooks(on_output=self._on_output, on_sampled=self._record, on_prefix_hit=self._on_prefix_hit,
+                      on_split=self._on_split, on_schedule=self.counters.kv_step, on_preempt=self._on_preempt,
+                      on_step=self._trace_step)
         was_training = self.model.training
-        manager = RolloutManager(self.model, gen_config, cb_config, RowSlotArgs(table, all_passes=graphs))
-        manager.output_router = RolloutRouter(self._on_output)
-        manager.trace_steps = self._trace_step
-        manager.batch_processor = manager._create_batch_processor()
-        manager.batch_processor.scheduler.on_prefix_hit = self._on_prefix_hit
-        RolloutCache.adopt(manager.batch_processor.cache)
-        manager.batch_processor.scheduler.on_split = self._on_split
-        manager.batch_processor.scheduler.on_schedule = self.counters.kv_step
-        RolloutOffloading.adopt(manager.batch_processor.offloading_manager, self._on_preempt)
-        RolloutModelRunner.adopt(manager.batch_processor.model_runner)
-        RolloutIOs.adopt(manager.batch_processor.inputs_and_outputs, self._record)
-        table.stream = manager.batch_processor.inputs_and_outputs.compute_stream
-        self.max_request_tokens = infer_max_single_request_tokens(manager.batch_processor.cache)
+        manager = RolloutManager(self.model, gen_config, cb_config, RowSlotArgs(table, all_passes=graphs), hooks)
+        self.max_request_tokens = manager.max_request_tokens
         self.model.train(was_training)
         self._record_routing(manager)
         sizing.check_request_fits(self.config, self.model, manager.batch_processor.cache.num_blocks,
                                   self.max_request_tokens)  # before the thread starts: nothing to stop
-        self._start(manager)
+        manager.start()
         return manager
 
-    def _record_routing(self, manager: ContinuousBatchingManager) -> None:
+    def _record_routing(self, manager: RolloutManager) -> None:
         """A fresh recorder for this manager (the previous one's hooks removed), when recording routing."""
         self._stop_recording()
         if self._routers is not None:
@@ -146,15 +137,6 @@ class Engine:
         if self._recorder is not None:
             self._recorder.remove()
             self._recorder = None
-
-    @staticmethod
-    def _start(manager: ContinuousBatchingManager) -> None:
-        """`manager.start()`, but with a daemon thread: upstream's is not, so a process that never closed its
-        worker would hang at exit (Python joins non-daemon threads before running atexit handlers)."""
-        manager.background_thread_status.clear()
-        manager._generation_thread = threading.Thread(target=manager._run_generation_loop, daemon=True,
-                                                      name="rollout-engine")
-        manager._generation_thread.start()
 
     def is_alive(self) -> bool:
         """The engine thread runs and has not failed (False while asleep: there is no thread)."""
@@ -201,17 +183,23 @@ class Engine:
     def close(self) -> None:
         with self._cond:
             self._closed = True
+            self._driver.stop()
             self._cond.notify_all()
         self._supervisor.join(timeout=30)
-        self._stepper.shutdown()
+        self._driver.shutdown()
         manager, self._manager = self._manager, None
-        if manager is not None and manager._generation_thread is not None:
+        if manager is not None and manager.has_thread():
             manager.stop(block=True, timeout=30)
         self._stop_recording()
 
     def _restart(self) -> None:
-        """Replace a dead manager with a fresh one (fresh cache); what it held is queued for re-running."""
+        """Replace a dead manager with a fresh one (fresh cache); what it held is queued for re-running. Logged on
+        the "rollout" logger with the error that killed the engine thread."""
         old = self._manager
+        error = old.background_thread_status.fatal_error
+        LOG.warning("rollout: the engine thread died (%s); rebuilding the engine and re-running its %d requests "
+                    "(restart %d)", "no error recorded" if error is None else f"{type(error).__name__}: {error}",
+                    len(self._pending), self.num_restarts + 1)
         with contextlib.suppress(Exception):
             old.stop(block=True, timeout=30)
         self.num_restarts += 1
@@ -268,7 +256,7 @@ class Engine:
                 if sample.episode is None:
                     sample.call.finish(sample, self._make_row(sample, output, entry, routing))
                 else:
-                    self._step(sample, output, entry, routing)
+                    self._turn_done(sample, output, entry, routing)
             else:
                 sample.error = output.error or error or f"request ended with status {output.status!r}"
                 self._rerun.append(sample)
@@ -318,6 +306,14 @@ class Engine:
                    reused_tokens=sample.reused_tokens, token_versions=versions, routing=routing,
                    top_ids=top_ids, top_logprobs=top_logprobs)
 
+    def _turn_done(self, sample: Sample, output: GenerationOutput, entry: Entry, routing: Routing | None) -> None:
+        """A model turn of an episode finished (lock held): the driver records it and steps its environment."""
+        tokens = list(output.generated_tokens)
+        _check_logprobs(tokens, output.logprobs, entry)
+        count = len(tokens)
+        self._driver.turn_done(sample, tokens, list(output.logprobs), entry.sampling[:count], entry.versions[:count],
+                               None if entry.tops is None else entry.tops[:count], routing)
+
     def _on_prefix_hit(self, request_id: str, num_tokens: int) -> None:
         with self._cond:
             self.num_reused_tokens += num_tokens
@@ -338,50 +334,6 @@ class Engine:
             sample = self._pending.get(request_id)
             if sample is not None:
                 sample.prompt_tokens += num_tokens
-
-    # ------------------------------------------------------------------ episodes
-    def _step(self, sample: Sample, output: GenerationOutput, entry: Entry, routing: Routing | None = None) -> None:
-        """A model turn of an episode finished (engine thread, lock held): record it and start its environment
-        step off this thread."""
-        tokens = list(output.generated_tokens)
-        _check_logprobs(tokens, output.logprobs, entry)
-        episode = sample.episode
-        count = len(tokens)
-        episode.add_turn(tokens, list(output.logprobs), entry.sampling[:count], entry.versions[:count],
-                         None if entry.tops is None else entry.tops[:count])
-        episode.segment.routing = routing  # the last turn's request fed every position of its segment so far
-        self._stepping.add(sample)
-        epoch = episode.epoch
-        self._stepper.step(episode, sample.prompt_index, sample.sample_index, episode.timeout,
-                           lambda turn, error, seconds: self._on_step(sample, epoch, turn, error, seconds))
-
-    def _on_step(self, sample: Sample, epoch: int, turn, error: BaseException | None, seconds: float) -> None:
-        """An environment step returned after `seconds` (stepper thread): submit the episode's next turn, or end
-        it."""
-        ready = time.perf_counter()
-        with self._cond:
-            episode = sample.episode
-            if self._closed or episode.epoch != epoch or sample not in self._stepping:  # closed, reset or abandoned
-                return  # meanwhile (a plain step's pool thread may return after the engine closed)
-            self.counters.env_step(seconds, error is not None)
-            self._stepping.discard(sample)
-            if sample.call.is_over():  # cancelled or failed meanwhile
-                self._stepper.close_env(episode.env)
-                return
-            if episode.after_step(turn, error):
-                self._submit([sample], ready)
-            else:
-                self._end_episode(sample)
-            self._cond.notify_all()
-
-    def _end_episode(self, sample: Sample) -> None:
-        episode = sample.episode
-        self._stepper.close_env(episode.env)
-        *sample.segment_rows, last = episode.rows(sample.prompt_index, sample.sample_index,
-                                                  sample.prompt_tokens, sample.reused_tokens)
-        self.counters.episode(episode.finish_reason, [v for seg in episode.segments for v in seg.token_versions],
-                              self.version, episode.num_turns, rows=len(episode.segments))
-        sample.call.finish(sample, last)
 
     # ------------------------------------------------------------------ submission and waiting
     def submit(self, samples_by_prompt: list[list[Sample]], call: Call) -> None:
@@ -448,8 +400,7 @@ class Engine:
                              streaming=head.call.on_tokens is not None)  # upstream delivers every step's progress
         if ready is not None and self.trace is not None:
             self.trace.ready(request_id, ready)
-        self._manager.input_queue.put(state)
-        self._manager._wake_up_loop.set()
+        self._manager.submit(state)
 
     def _heal(self) -> None:
         """If the engine died or requests failed, rebuild it and re-run the lost samples, each on its own."""
@@ -478,10 +429,7 @@ class Engine:
         held)."""
         self._rerun = [s for s in self._rerun if s.call is not call]
         for sample in call.samples:
-            self._stepping.discard(sample)
-            if sample.episode is not None and sample.row is None:  # an ended episode closed its own
-                self._stepper.close_env(sample.episode.env)
-                sample.episode.env = None
+            self._driver.abandon(sample)
         cancelled = self._requests_of(call)
         for request_id in cancelled:
             self._pending.pop(request_id)
@@ -569,25 +517,23 @@ class Engine:
 
     def _drain(self) -> None:
         with self._cond:
-            while not self._cond.wait_for(lambda: not self._pending and not self._rerun and not self._stepping,
+            while not self._cond.wait_for(lambda: not self._pending and not self._rerun and not self._driver.stepping,
                                           timeout=0.05):
                 pass
 
     def _abort_in_flight(self) -> list[Sample]:
         with self._cond:
-            aborted = list(self._pending.values()) + self._rerun + list(self._stepping)
+            aborted = list(self._pending.values()) + self._rerun + self._driver.abort()
             for request_id in self._pending:
                 self._manager.cancel_request(request_id)
             self._ledger.drop(self._pending)
             self._pending.clear()
             self._rerun = []
-            self._stepping.clear()
             aborted = [s for s in aborted if s.row is None]
             for sample in aborted:
                 sample.error = "aborted by a weight update"
                 if sample.episode is not None:  # re-run from scratch, with a fresh environment
-                    self._stepper.close_env(sample.episode.env)
-                    sample.episode.reset()
+                    self._driver.reset(sample.episode)
             self.num_aborted += len(aborted)
             return aborted
 
@@ -600,7 +546,7 @@ class Engine:
             now = dict(prompt_tokens=self.num_prompt_tokens, prefix_cache_reused_tokens=self.num_reused_tokens,
                        engine_restarts=self.num_restarts, aborted_samples=self.num_aborted,
                        recomputed_requests=self.num_recomputed, policy_version=self.version,
-                       sleeping=int(self.is_sleeping), episodes_in_env_step=len(self._stepping), requests_waiting=0,
+                       sleeping=int(self.is_sleeping), episodes_in_env_step=len(self._driver.stepping), requests_waiting=0,
                        requests_running=0, kv_pages_total=0, kv_pages_used=0, kv_pages_cached=0)
         processor = getattr(manager, "batch_processor", None)
         if processor is not None:  # read without stopping the loop: a page count may be a step old

@@ -15,6 +15,8 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import Counter
 
+from .upstream.memory import kv_pages
+
 # seconds: an environment step is a tool call, a sandbox run or a judge; from sub-millisecond to minutes
 ENV_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
@@ -126,18 +128,3 @@ class NullCounters(Counters):
     def episode(self, reason: str, versions: list[int], current: int, turns: int, rows: int = 1) -> None: ...
     def env_step(self, seconds: float, failed: bool) -> None: ...
     def weight_update(self, mode: str, seconds: float, pause_seconds: float, recompute_tokens: int) -> None: ...
-
-
-def kv_pages(cache) -> tuple[int, int, int]:
-    """(total, used, cached) pages of a paged cache, in whole-model pages (`cache.num_blocks`, what
-    `WorkerConfig.num_blocks` sizes): used = held by requests; cached = held only by the prefix cache (evicted first
-    under pressure); the rest is free. Computed from bytes, so it holds for models mixing attention types."""
-    total_bytes = cache.num_sectors * cache.bytes_per_sector
-    free_bytes = len(cache.pool.free_sectors) * cache.bytes_per_sector
-    cached_bytes = 0
-    for allocator in cache.cache_allocators.values():
-        free_bytes += allocator.pool.count_free_blocks(allocator.index) * allocator.bytes_per_block
-        cached_bytes += len(allocator.ledger.cached_blocks) * allocator.bytes_per_block
-    total = cache.num_blocks
-    used = (total_bytes - free_bytes - cached_bytes) * total // total_bytes
-    return total, used, cached_bytes * total // total_bytes

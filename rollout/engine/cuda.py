@@ -28,13 +28,13 @@ def flash_attn_imports() -> bool:
     return True
 
 
-def auto_attention(model, mask_free: str) -> str:
+def auto_attention(model, current: str, mask_free: str) -> str:
     """The engine's attention under "auto" on CUDA: the model's own if it is a flash implementation, else
     flash_attention_2 when flash_attn imports and the model is fp16 / bf16 (flash has no fp32 kernels), else
     `mask_free` (rollout_paged: PyTorch's own SDPA kernels per bucket of rows, no dense [batch tokens x cache tokens]
-    mask)."""
+    mask). `current`: the attention the model runs now."""
     if is_flash_attention_requested(model.config):
-        return model.config._attn_implementation
+        return current
     if model.dtype in (torch.float16, torch.bfloat16) and flash_attn_imports():
         return FLASH
     return mask_free

@@ -37,7 +37,7 @@ from collections import OrderedDict
 import torch
 
 from ..moe import Router, routing_dtype
-from .scheduler import CHILD_SEPARATOR
+from .upstream.scheduler import CHILD_SEPARATOR
 
 
 class RoutingHole(RuntimeError):

@@ -6,18 +6,13 @@ from __future__ import annotations
 import math
 
 import torch
-from transformers.generation.continuous_batching.utils import attn_mask_is_needed, get_device_and_memory_breakdown
 from transformers.utils.generic import is_flash_attention_requested
 
 from ..base.config import WorkerConfig
 from ..base.errors import invalid
-from .attention import NAME
+from .upstream import NAME, attn_mask_is_needed, current_attn_implementation, planned_memory
 
 MIN_BLOCKS = 4
-# upstream's memory plan lets the cache and the step's tensors use this share of the memory it sees as free
-# (initialization.resolve_max_memory_percent, with max_memory_percent unset as the engine leaves it)
-PLAN_SHARE = {"cpu": 0.6, "mps": 0.6}
-PLAN_SHARE_DEFAULT = 0.9
 PLAN_MARGIN = 0.9  # of that, what a fraction budget's KV may take: the rest is the step's tensors and rounding
 
 
@@ -43,14 +38,6 @@ def kv_budget_bytes(config: WorkerConfig, device: torch.device) -> int:
     if config.kv_cache_memory_mb is not None:
         return config.kv_cache_memory_mb * 2**20
     return int(config.kv_cache_memory_fraction * free_memory(device))
-
-
-def planned_memory(device: torch.device) -> int:
-    """Bytes upstream's memory plan accepts for the cache with everything it charges beside it (its footprint check
-    raises a MemoryError above it). On the host it counts the memory of the process's NUMA nodes, which on some
-    virtual machines is far below MemAvailable (seen: 9 GB of nodes on a 24 GB host), less this process's RSS."""
-    _, total, reserved, allocated = get_device_and_memory_breakdown()
-    return int(PLAN_SHARE.get(device.type, PLAN_SHARE_DEFAULT) * max(0, total - max(allocated, reserved)))
 
 
 def plan_cap_bytes(model) -> int:
@@ -113,7 +100,7 @@ def block_table_width(model, config: WorkerConfig, num_blocks: int) -> int:
     128 rows). On for attentions that read and write pages themselves: `rollout_paged` on any device, flash on CUDA
     (flash_attn_with_kvcache); 0 turns it off. Wide enough for the longest request (config.max_request_tokens, else
     the model's context, within the cache); longer requests decode on the varlen path."""
-    pages_itself = model.config._attn_implementation == NAME or (
+    pages_itself = current_attn_implementation(model) == NAME or (
         model.device.type == "cuda" and is_flash_attention_requested(model.config))
     if not pages_itself:
         return 0

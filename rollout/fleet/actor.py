@@ -83,7 +83,8 @@ class FleetActor:
 
     def info(self) -> dict:
         return dict(pid=os.getpid(), host=socket.gethostname(), device=str(self.worker.model.device),
-                    version=self.worker.policy_version, max_request_tokens=self.worker.engine.max_request_tokens,
+                    version=self.worker.policy_version, max_request_tokens=self.worker.max_request_tokens,
+                    default_stop_ids=tuple(self.worker.default_stop_ids),
                     busy=self.busy, sleeping=self.worker.is_sleeping, num_calls=self.num_calls, num_rows=self.num_rows,
                     num_fingerprints=self.num_fingerprints,
                     torch_threads=torch.get_num_threads())
@@ -162,14 +163,16 @@ class FleetActor:
         return True
 
     # ------------------------------------------------------------------ weights
-    def cancel(self, call_id: int | None = None) -> None:
-        """Cancel the generate calls in flight of one fleet call (all of them: None); control group, beside them."""
+    def cancel(self, call_id: int | None = None) -> int:
+        """Cancel the generate calls in flight of one fleet call (all of them: None); control group, beside them.
+        Returns the model tokens they had sampled for groups the cancel threw away (their futures' count)."""
         with self._lock:
             futures = [f for key, fs in self._futures.items() if call_id is None or key == call_id for f in fs]
             if call_id is not None:
                 self._cancelled.append(call_id)
         for future in futures:
             future.cancel()
+        return sum(future.discarded_tokens for future in futures)
 
     def receive(self, transport: type, payload: Any, version: int, full: bool = False, in_flight: str = "wait") -> int:
         """One update that came through `transport` (a WeightTransport class), applied under `in_flight` (a generate

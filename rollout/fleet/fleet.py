@@ -46,6 +46,7 @@ from ..base.batch import RolloutBatch
 from ..base.config import WorkerConfig, check_in_flight
 from ..base.env import EnvFactory, EpisodeSpec
 from ..base.errors import check_int, invalid
+from ..base.rollouts import model_name, request_limit
 from ..metrics.snapshot import FleetMetrics
 from ..model.loading import pad_token_id
 from ..model.weights import check_version, plan_update, resolve_names
@@ -53,7 +54,7 @@ from ..moe import Routing
 from ..worker.validation import prepare_call
 from .actor import FleetActor, InMemoryModel, model_source, with_adapters
 from .dispatch import Dispatcher
-from .future import FleetFuture, Groups
+from .future import CallCancel, FleetFuture, Groups
 from .meter import FleetMeter
 from .resources import FleetResources
 from .transport import Collective, ObjectStore, TransportFailed, WeightTransport
@@ -94,6 +95,8 @@ class RolloutFleet:
         self._state_names = set(self._shapes.state_dict())
         self.vocab_size = int(self._shapes.get_output_embeddings().weight.shape[0])
         self.max_context = getattr(model_config.get_text_config(), "max_position_embeddings", None)
+        self.model_name = model_name(model_config.name_or_path)
+        self.supports_streaming = False  # rows arrive as their group finishes (as_completed)
         self._lock = threading.RLock()  # fleet state; never held across a wait for actors' results
         self._calls = ThreadPoolExecutor(MAX_CALLS, thread_name_prefix="rollout-fleet")  # submitted calls
         self._call_ids = itertools.count()  # what an actor cancels a call's work by
@@ -109,6 +112,7 @@ class RolloutFleet:
             self.close()
             raise
         self.max_request_tokens = min(info["max_request_tokens"] for info in self._info)
+        self.default_stop_ids = tuple(self._info[0]["default_stop_ids"])  # the actors' workers' own (same model)
 
     # ------------------------------------------------------------------ public surface
     @property
@@ -121,11 +125,12 @@ class RolloutFleet:
 
     def generate(self, prompts: Sequence[Any], sampling=None, chat_template: bool = False,
                  timeout: float | None = None, env: EnvFactory | None = None, max_turns: int = 1,
-                 max_episode_tokens: int | None = None, env_timeout: float | None = 300.0) -> RolloutBatch:
+                 max_episode_tokens: int | None = None, env_timeout: float | None = 300.0,
+                 episode: EpisodeSpec | None = None) -> RolloutBatch:
         """RolloutWorker.generate across the fleet: validated here, rows prompt-major in input order. `env` travels
         to the actors (it must pickle) and is called there with the call's own prompt indices."""
         future = self.submit(prompts, sampling, chat_template, env, max_turns, max_episode_tokens, env_timeout,
-                             timeout=timeout)
+                             timeout=timeout, episode=episode)
         try:
             return future.result()
         except BaseException:
@@ -134,24 +139,25 @@ class RolloutFleet:
 
     def submit(self, prompts: Sequence[Any], sampling=None, chat_template: bool = False,
                env: EnvFactory | None = None, max_turns: int = 1, max_episode_tokens: int | None = None,
-               env_timeout: float | None = 300.0, timeout: float | None = None) -> FleetFuture:
+               env_timeout: float | None = 300.0, timeout: float | None = None,
+               episode: EpisodeSpec | None = None) -> FleetFuture:
         """Validate here, then run the call in the background and return at once. Up to MAX_CALLS calls run side by
         side (more wait their turn), each actor's engine batching them together; `update_weights` may run while they
         are in flight (each actor applies it under the chosen in_flight mode). `as_completed()` on the future streams
         each prompt's group as it finishes."""
-        spec = EpisodeSpec.of(env, max_turns, max_episode_tokens, env_timeout)
+        spec = EpisodeSpec.of(env, max_turns, max_episode_tokens, env_timeout, episode)
         token_lists, params = prepare_call(prompts, sampling, self.tokenizer, chat_template, self.vocab_size,
                                            self.max_context, self.max_request_tokens)
-        limit = min(self.max_context or self.max_request_tokens, self.max_request_tokens)
+        limit = request_limit(self.max_context, self.max_request_tokens)
         budgets = [p.max_new_tokens if spec is None else spec.budget(len(ids), limit, i)
                    for i, (ids, p) in enumerate(zip(token_lists, params))]
-        cancel, groups = threading.Event(), Groups(len(token_lists))
+        cancel, groups = CallCancel(lambda refs, timeout: ray.get(refs, timeout=timeout)), Groups(len(token_lists))
         future = self._calls.submit(self._run_call, token_lists, params, budgets, spec, timeout, cancel, groups)
         future.add_done_callback(lambda _: groups.close())
         return FleetFuture(future, cancel, groups)
 
     def _run_call(self, token_lists, params, budgets, spec: EpisodeSpec | None, timeout: float | None,
-                  cancel: threading.Event, groups: Groups) -> RolloutBatch:
+                  cancel: CallCancel, groups: Groups) -> RolloutBatch:
         costs = [len(ids) + p.n * min(b, p.max_new_tokens * (1 if spec is None else spec.max_turns))
                  for ids, p, b in zip(token_lists, params, budgets)]
         call_id = next(self._call_ids)
@@ -353,7 +359,7 @@ class RolloutFleet:
 
     # ------------------------------------------------------------------ work across actors
     def _scatter(self, costs: list[int], submit: Callable, timeout: float | None, units: list[int], what: str,
-                 names: tuple[str, str], cancel: threading.Event | None = None, call_id: int | None = None,
+                 names: tuple[str, str], cancel: CallCancel | None = None, call_id: int | None = None,
                  on_result: Callable[[int, int, Any], None] | None = None) -> dict[int, Any]:
         """Run every job on some actor, by load; survive deaths; job index -> result. The fleet's lock is taken for
         each round of bookkeeping and released while waiting, so an update can land meanwhile. `submit` returns an
@@ -394,7 +400,9 @@ class RolloutFleet:
                     with contextlib.suppress(Exception):
                         ray.cancel(ref)
                     with contextlib.suppress(Exception):
-                        self._actors[slot].cancel.options(concurrency_group="control").remote(call_id)
+                        report = self._actors[slot].cancel.options(concurrency_group="control").remote(call_id)
+                        if cancel is not None:
+                            cancel.reports.append(report)  # the tokens it discarded (FleetFuture.discarded_tokens)
         return results
 
     def _collect(self, ref, inflight: dict, plan: Dispatcher, results: dict, jobs_name: str,

@@ -3,6 +3,8 @@
     future = fleet.submit(prompts, sampling=...)
     future.done(); batch = future.result(timeout=None); future.cancel()
     for group in future.as_completed():   # each prompt's group as soon as the actor running it has all its rows
+    future.add_done_callback(fn)          # fn(future) once it is over, on a thread of the fleet
+    future.discarded_tokens               # after a cancel: model tokens the actors sampled for groups thrown away
 
 The call runs on one of the fleet's call threads; each group its actors stream back goes into `Groups`, in finishing
 order, with the call's own prompt_index. Nothing here imports Ray.
@@ -13,8 +15,9 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from typing import Any
 
 from ..base.batch import RolloutBatch
 
@@ -40,13 +43,38 @@ class Groups:
             self.changed.notify_all()
 
 
+class CallCancel(threading.Event):
+    """Set to cancel a fleet call; `reports` collects what each actor's cancel answers (the tokens it discarded, as
+    a result handle the fleet resolves), and `resolve` turns a handle into its value (ray.get, given by the fleet)."""
+
+    def __init__(self, resolve: Callable[[list, float], list]) -> None:
+        super().__init__()
+        self.reports: list[Any] = []
+        self.resolve = resolve
+
+
 class FleetFuture:
     """A submitted fleet call: `done()`, `result(timeout=None)`, `cancel()` (what the actors still run of it is
     cancelled too) and `as_completed(timeout=None)`: each prompt's group as a RolloutBatch as soon as the actor
     running it has all its rows, in finishing order, with the call's own prompt_index (as RolloutFuture's)."""
 
-    def __init__(self, future: Future, cancel: threading.Event, groups: Groups) -> None:
+    def __init__(self, future: Future, cancel: CallCancel, groups: Groups) -> None:
         self._future, self._cancel, self._groups = future, cancel, groups
+
+    @property
+    def discarded_tokens(self) -> int:
+        """Model tokens the actors sampled for groups a cancel threw away (0 until cancelled; an actor that died
+        meanwhile counts nothing): each actor's worker counts its own, as RolloutFuture does."""
+        if not self._cancel.is_set() or not self._future.done():
+            return 0
+        counts = []
+        with contextlib.suppress(Exception):
+            counts = self._cancel.resolve(list(self._cancel.reports), 10.0)
+        return int(sum(c for c in counts if isinstance(c, int)))
+
+    def add_done_callback(self, fn: Callable[["FleetFuture"], None]) -> None:
+        """fn(future) once the call is over (at once if it already is), on a thread of the fleet."""
+        self._future.add_done_callback(lambda _: fn(self))
 
     def done(self) -> bool:
         return self._future.done()

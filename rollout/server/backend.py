@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +24,7 @@ from typing import Any
 
 from ..base.batch import RolloutBatch
 from ..base.params import SamplingParams
+from ..base.rollouts import Rollouts
 from ..model.loading import pad_token_id
 
 # prompt index, sample index, ids, logprobs, versions, top lists (None unless asked): a streamed row so far
@@ -100,8 +100,8 @@ class Generation:
             self.progress.put_nowait(None)
 
 
-def backend_for(rollouts: Any) -> "StreamingBackend | BatchingBackend":
-    if "on_tokens" in inspect.signature(rollouts.submit).parameters:
+def backend_for(rollouts: Rollouts) -> "StreamingBackend | BatchingBackend":
+    if rollouts.supports_streaming:
         return StreamingBackend(rollouts)
     return BatchingBackend(rollouts)
 
@@ -201,7 +201,7 @@ class BatchingBackend:
             return
         rows = batch.rows()
         offset = 0
-        tokenizer = getattr(self.rollouts, "tokenizer", None)
+        tokenizer = self.rollouts.tokenizer
         pad = pad_token_id(tokenizer)
         for job in jobs:
             mine = [dataclasses.replace(r, prompt_index=r.prompt_index - offset) for r in rows

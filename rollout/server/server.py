@@ -13,11 +13,10 @@ flight during an update behave as its `in_flight` mode says (each response says 
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Sequence
-from typing import Any
 
+from ..base.rollouts import Rollouts, request_limit
 from ..model.loading import pad_token_id
 from .backend import backend_for
 from .chat import ChatFormat
@@ -36,17 +35,17 @@ class Server:
     checkpoint directory's name, else the model's `name_or_path`). limits: how much one request may ask
     (RequestLimits: n, prompts, stop strings, JSON nesting)."""
 
-    def __init__(self, rollouts: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | None = None,
+    def __init__(self, rollouts: Rollouts, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | None = None,
                  model_name: str | None = None, log_level: str = "warning",
                  limits: RequestLimits | None = None) -> None:
         uvicorn = _import("uvicorn")
         from .app import build_app
 
-        tokenizer = getattr(rollouts, "tokenizer", None)
+        tokenizer = rollouts.tokenizer
         self.rollouts = rollouts
         self.recorder = EpisodeRecorder(tokenizer, pad_token_id(tokenizer))
         self.backend = backend_for(rollouts)
-        self.model_name = model_name or default_model_name(rollouts)
+        self.model_name = model_name or rollouts.model_name
         self.scorer = PromptScorer(rollouts)
         service = Service(self.backend, ChatFormat(tokenizer), self.recorder, self.model_name, limits_of(rollouts),
                           self.scorer, limits or RequestLimits())
@@ -118,7 +117,7 @@ class Server:
         self.close()
 
 
-def serve(rollouts: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | None = None,
+def serve(rollouts: Rollouts, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | None = None,
           model_name: str | None = None, *, max_n: int = 128, max_prompts: int = 2048, max_stop: int = 64,
           max_json_depth: int = 64) -> Server:
     """Serve `rollouts` (a RolloutWorker or RolloutFleet) over OpenAI's HTTP API on a background thread. The max_*
@@ -127,22 +126,10 @@ def serve(rollouts: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api
     return Server(rollouts, host, port, api_key, model_name, limits=limits).start()
 
 
-def default_model_name(rollouts: Any) -> str:
-    model = getattr(rollouts, "model", None)
-    path = getattr(getattr(model, "config", None), "name_or_path", "") or ""
-    return os.path.basename(os.path.normpath(path)) if path else "rollout"
-
-
-def limits_of(rollouts: Any) -> Limits:
+def limits_of(rollouts: Rollouts) -> Limits:
     """What the rollout side holds: vocabulary, the longest request, the model's EOS ids."""
-    context = getattr(rollouts, "max_context", None)
-    capacity = int(rollouts.max_request_tokens)
-    stop = getattr(rollouts, "default_stop_ids", None)
-    if stop is None:
-        eos = getattr(getattr(rollouts, "tokenizer", None), "eos_token_id", None)
-        stop = () if eos is None else (eos,)
-    return Limits(int(rollouts.vocab_size), capacity if context is None else min(int(context), capacity),
-                  tuple(stop))
+    return Limits(int(rollouts.vocab_size), request_limit(rollouts.max_context, rollouts.max_request_tokens),
+                  tuple(rollouts.default_stop_ids))
 
 
 def _import(name: str):

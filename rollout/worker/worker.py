@@ -30,8 +30,9 @@ from ..base.config import WorkerConfig, check_in_flight
 from ..base.env import EnvFactory, EpisodeSpec
 from ..base.errors import invalid
 from ..base.params import SamplingParams
-from ..engine import (Call, Engine, Episode, Sample, current_attn_implementation, resolve_attn_implementation,
-                      set_attn_implementation)
+from ..base.rollouts import model_name, request_limit
+from ..engine import (Call, Engine, Episode, Sample, current_attn_implementation, install,
+                      resolve_attn_implementation, set_attn_implementation)
 from ..metrics.snapshot import WorkerMetrics
 from ..model import adapters
 from ..model import weights as weights_mod
@@ -56,13 +57,14 @@ def _close_all() -> None:  # the engine thread is a daemon, so exit never hangs;
 class RolloutWorker:
     def __init__(self, model_or_path: Any, config: WorkerConfig | None = None, tokenizer: Any = None) -> None:
         self.config = config if config is not None else WorkerConfig()
+        install()  # the engine's hooks on transformers (once per process), before a checkpoint loads with them
         self.model, self.tokenizer = load_model(model_or_path, tokenizer,
                                                 attn_implementation=loading_attention(self.config.attn_implementation))
         self.owns_model = not hasattr(model_or_path, "forward")
         self._user_attn = current_attn_implementation(self.model)
         engine_attn = resolve_attn_implementation(self.config.attn_implementation, self.model)
         if engine_attn is not None:
-            self.model.set_attn_implementation(engine_attn)
+            set_attn_implementation(self.model, engine_attn)
         self._lock = threading.RLock()
         self._active_calls = 0
         self._was_training = self.model.training
@@ -112,19 +114,29 @@ class RolloutWorker:
             return ()
         return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
+    @property
+    def supports_streaming(self) -> bool:
+        return True  # submit(..., on_tokens=fn)
+
+    @property
+    def model_name(self) -> str:
+        return model_name(self.model.config.name_or_path)
+
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence[Any], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  chat_template: bool = False, timeout: float | None = None, env: EnvFactory | None = None,
                  max_turns: int = 1, max_episode_tokens: int | None = None,
-                 env_timeout: float | None = 300.0) -> RolloutBatch:
+                 env_timeout: float | None = 300.0, episode: EpisodeSpec | None = None) -> RolloutBatch:
         """Generate every sample of every prompt; rows come back prompt-major. Validates the whole call first.
         `submit(...).result(timeout)`, except that a call that times out (or is interrupted) is cancelled. A
         sleeping worker wakes first (its cache is re-allocated, as `wake()` does).
 
         With `env` (`make_env(prompt_index, sample_index) -> Environment`), every sample is a multi-turn episode:
         after each model turn its environment steps off the engine thread and the next turn is submitted as soon as
-        the observation is back, reusing the episode's cached KV (docs/episodes.md)."""
-        future = self.submit(prompts, sampling, chat_template, env, max_turns, max_episode_tokens, env_timeout)
+        the observation is back, reusing the episode's cached KV (docs/episodes.md). `episode=EpisodeSpec(...)` is
+        the same as its fields given as keywords (env, max_turns, max_episode_tokens, env_timeout)."""
+        future = self.submit(prompts, sampling, chat_template, env, max_turns, max_episode_tokens, env_timeout,
+                             episode=episode)
         try:
             return future.result(timeout)
         except BaseException:  # timeout, Ctrl-C, ...: nothing of this call keeps running in the engine
@@ -134,7 +146,7 @@ class RolloutWorker:
     def submit(self, prompts: Sequence[Any], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                chat_template: bool = False, env: EnvFactory | None = None, max_turns: int = 1,
                max_episode_tokens: int | None = None, env_timeout: float | None = 300.0,
-               on_tokens: TokenCallback | None = None) -> RolloutFuture:
+               on_tokens: TokenCallback | None = None, episode: EpisodeSpec | None = None) -> RolloutFuture:
         """Validate the call, submit it and return at once (docs/async.md). Several calls may be in flight; weight
         updates may land while they run (`update_weights(..., in_flight=...)`), and every token of the result says
         which version produced it (`batch.token_versions`).
@@ -147,7 +159,7 @@ class RolloutWorker:
         if self._half_updated is not None:
             raise RuntimeError(f"the weights are half-updated: {self._half_updated}. Fix: send the whole state dict "
                                "with update_weights(..., full=True) before generating.")
-        spec = EpisodeSpec.of(env, max_turns, max_episode_tokens, env_timeout)
+        spec = EpisodeSpec.of(env, max_turns, max_episode_tokens, env_timeout, episode)
         if on_tokens is not None and (spec is not None or not callable(on_tokens)):
             raise invalid("on_tokens", on_tokens, "must be a callable, and streams single-turn calls only",
                           "drop env=... to stream, or on_tokens=... to run episodes")
@@ -169,11 +181,9 @@ class RolloutWorker:
         return RolloutBatch.from_rows(rows, pad_token_id=pad_token_id(self.tokenizer), tokenizer=self.tokenizer)
 
     def _prepare(self, prompts, sampling, chat_template, spec: EpisodeSpec | None = None) -> list[list[Sample]]:
-        max_context = self.max_context
-        limit = self.engine.max_request_tokens if max_context is None else min(max_context,
-                                                                                self.engine.max_request_tokens)
+        limit = request_limit(self.max_context, self.max_request_tokens)
         token_lists, params = prepare_call(prompts, sampling, self.tokenizer, chat_template, self.vocab_size,
-                                           max_context, self.engine.max_request_tokens)
+                                           self.max_context, self.max_request_tokens)
         groups = []
         for i, (ids, p) in enumerate(zip(token_lists, params)):
             stop = () if p.ignore_eos else (p.stop_token_ids if p.stop_token_ids is not None else self.default_stop_ids)

@@ -29,9 +29,9 @@ from transformers.generation.continuous_batching.requests import RequestStatus
 from transformers.generation.continuous_batching.utils import CudaGraphBuffer
 from transformers.generation.logits_process import LogitsProcessorList
 
-from ..base.params import MAX_TOP_LOGPROBS
-from .sampler import ALL, sample_rows
-from .slots import SlotTable
+from ...base.params import MAX_TOP_LOGPROBS
+from ..sampler import ALL, sample_rows
+from ..slots import SlotTable
 
 # output_ids: tokens, logprobs (fp32 bits), sampling logprobs (fp32 bits), then MAX_TOP_LOGPROBS rows of top ids and
 # as many of their logprobs (fp32 bits), most likely first (written only on steps where some row asks for them)

@@ -5,7 +5,7 @@ pages, in order) instead of per-token read and write indices; building those ind
 cached position of every request, rebuilt each step. Upstream keeps the path for flash only (flash_attn_with_kvcache
 reads and writes pages itself); `rollout_paged` reads and writes pages itself too (plan.py, attention.py), so:
 
-- `_keep_block_tables` stands in for upstream's availability check: under `rollout_paged` the path stays on wherever
+- `keep_block_tables` (installed by `install()`) stands in for upstream's availability check: under `rollout_paged` the path stays on wherever
   every allocator supports block tables (full attention; sliding-window groups do not);
 - `RolloutCache.fill_block_table` writes a request's row of the table through a numpy view of the host tensor: the
   same entries as upstream's (pinned by tests/test_upstream_contract.py), without the three small torch ops per
@@ -19,18 +19,16 @@ from transformers.generation.continuous_batching.cache import PagedAttentionCach
 
 from .attention import NAME
 
-_upstream_check = initialization.ensure_decode_fast_path_is_available
+UPSTREAM_CHECK = initialization.ensure_decode_fast_path_is_available  # upstream's own, before install() replaces it
 
 
-def _keep_block_tables(config, cb_config, user_requested: bool) -> None:
+def keep_block_tables(config, cb_config, user_requested: bool) -> None:
     if config._attn_implementation != NAME:
-        return _upstream_check(config, cb_config, user_requested)
+        return UPSTREAM_CHECK(config, cb_config, user_requested)
     if not all(initialization.ATTN_TYPE_TO_ALLOCATOR[kind].supports_block_table
                for kind in initialization.group_layers_by_attn_type(config)):
         cb_config.max_blocks_per_request = 0
 
-
-initialization.ensure_decode_fast_path_is_available = _keep_block_tables
 
 
 class RolloutCache(PagedAttentionCache):

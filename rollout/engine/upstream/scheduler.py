@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from transformers.generation.continuous_batching.requests import RequestStatus
-from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPPING, FIFOScheduler
+from transformers.generation.continuous_batching.scheduler import FIFOScheduler
 
 SCHEDULER_NAME = "rollout_fifo"
 CHILD_SEPARATOR = "__child#"
@@ -57,5 +57,3 @@ class RolloutScheduler(FIFOScheduler):
                 self.on_split(child.request_id, len(child.initial_tokens))
         state.num_children = 0
 
-
-SCHEDULER_MAPPING[SCHEDULER_NAME] = RolloutScheduler

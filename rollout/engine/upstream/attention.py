@@ -34,12 +34,11 @@ import threading
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import sdpa_mask
 
-from . import cuda
+from .. import cuda
 from .plan import Decode, Plan, SharedPrefixes, bottom_right_causal, plan_for
 
 NAME = "rollout_paged"
@@ -217,7 +216,10 @@ def current_attn_implementation(model) -> str:
 
 
 def set_attn_implementation(model, impl: str) -> None:
-    """Switch the model's attention (a no-op when it already runs `impl`)."""
+    """Switch the model's attention (a no-op when it already runs `impl`); `rollout_paged` is registered first."""
+    if impl == NAME:
+        from .install import install  # install.py imports this module
+        install()
     if current_attn_implementation(model) != impl:
         model.set_attn_implementation(impl)
 
@@ -229,9 +231,6 @@ def resolve_attn_implementation(requested: str | None, model) -> str | None:
     if requested != AUTO:
         return requested
     if model.device.type == "cuda":
-        return cuda.auto_attention(model, mask_free=NAME)
+        return cuda.auto_attention(model, current_attn_implementation(model), mask_free=NAME)
     return NAME if model.device.type == "cpu" else None
 
-
-AttentionInterface.register(NAME, paged_attention_forward)
-AttentionMaskInterface.register(NAME, engine_mask)

@@ -1,0 +1,62 @@
+"""HOOKS: every private name of transformers' continuous-batching engine (and one private torch kernel) that rollout
+uses, where (a file under rollout/engine/) and why. tests/test_upstream_contract.py checks that this table is
+complete against the engine's source and pins each entry's behaviour; an upgrade that changes any of it must fail
+there, loudly, before it silently breaks exactness or robustness.
+
+Upstream offers no public extension points for what the engine needs (per-row sampling with exact logprobs, a
+daemon loop thread, our own request ids and children, a mask-free attention, a loop that can die and be rebuilt), so
+this subpackage reaches into it. The public-but-internal pieces it relies on (no underscore, same risk) are listed
+in the contract test's docstring.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Hook:
+    symbol: str  # the private name, as the source spells it
+    owner: str  # upstream's class or module that defines it
+    files: tuple[str, ...]  # where rollout uses it, relative to rollout/engine/
+    why: str
+
+
+HOOKS: tuple[Hook, ...] = (
+    Hook("_forward_process_and_sample", "ModelRunner", ("upstream/runner.py",),
+         "forward + logits processing + sampling in one method; ours samples every row with its own params and "
+         "computes both logprobs from the same logits"),
+    Hook("_schedule_request", "FIFOScheduler", ("upstream/scheduler.py",),
+         "where a prompt's n samples are forked; a 1-token remainder forks with a 0-token forward that kills the "
+         "loop, so ours splits those children first"),
+    Hook("_infer_request_tokens", "FIFOScheduler", ("upstream/scheduler.py",),
+         "where a pending request's prefix-cache match is taken (PENDING -> PREFILLING, position_offset advanced "
+         "past the matched tokens); the wrapper counts the reused tokens an episode's turns did not prefill"),
+    Hook("_create_batch_processor", "ContinuousBatchingManager", ("upstream/manager.py",),
+         "builds the batch processor (and its model runner) before the loop starts, so the runner, cache, scheduler "
+         "and step buffers take their hooks first; the loop reuses that processor"),
+    Hook("_run_generation_loop", "ContinuousBatchingManager", ("upstream/manager.py",),
+         "the loop body, run on a daemon thread of ours (upstream's start() makes a non-daemon one that hangs "
+         "interpreter exit) and marked as the engine thread (no mask is built there)"),
+    Hook("_generation_step", "ContinuousBatchingManager", ("upstream/manager.py",),
+         "one step's forward, whose start and end a TurnTrace records"),
+    Hook("_generation_thread", "ContinuousBatchingManager", ("upstream/manager.py",),
+         "the loop thread is_running() and stop() look at, set by our daemon start()"),
+    Hook("_wake_up_loop", "ContinuousBatchingManager", ("upstream/manager.py",),
+         "add_request cannot submit a RequestState with our request id, children and eos list, so submit() puts it "
+         "on input_queue itself and wakes the idle loop the same way"),
+    Hook("_attn_implementation", "PretrainedConfig", ("upstream/attention.py", "upstream/blocktable.py",
+                                                      "upstream/manager.py", "upstream/memory.py"),
+         "the attention a model runs; transformers has a setter (set_attn_implementation) but no public getter "
+         "(scoring reads it too)"),
+    Hook("_status", "RequestState", ("upstream/switch.py",),
+         "a request soft reset for a 'recompute' weight switch is marked FINISHED the way upstream's preemption "
+         "marks it (bypassing the setter's lifespan bookkeeping) before create_equivalent_initial_request()'s copy "
+         "is requeued"),
+    Hook("_kv_token_views", "FullAttentionCacheAllocator", ("upstream/attention.py",),
+         "per-layer [cache rows, kv heads, head dim] views of the paged cache that rollout_paged reads straight "
+         "from, by the allocator's indices"),
+    Hook("_scaled_dot_product_flash_attention_for_cpu", "torch.ops.aten", ("upstream/attention.py",),
+         "the CPU flash kernel, the only SDPA that also returns the log-sum-exp that merging shared-prefix "
+         "attention needs"),
+)

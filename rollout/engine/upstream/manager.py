@@ -1,0 +1,105 @@
+"""RolloutManager: transformers' ContinuousBatchingManager with every engine hook plugged in at construction.
+
+- It accepts `rollout_paged` (upstream accepts only sdpa, paged|eager and flash), carries the rows' slots in place of
+  its logits processors (runner.RowSlotArgs), and marks its loop thread so that the model's mask creation is skipped
+  there (see `attention.engine_mask`).
+- Its batch processor is built at construction (upstream builds it when the loop starts and reuses one built
+  before), so that the cache, scheduler, offloading manager, model runner and step buffers can take their hooks
+  (`Hooks`) before any step runs.
+- `start()` runs the loop on a daemon thread (upstream's is not: a process that never closed its worker would hang
+  at exit); `submit(state)` queues a RequestState the engine built itself (`add_request` cannot carry our request id,
+  children and eos list) and wakes the idle loop the way `add_request` does.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+from transformers.generation.continuous_batching.model_runner import infer_max_single_request_tokens
+from transformers.generation.continuous_batching.requests import GenerationOutput, RequestState
+
+from .attention import ENGINE_THREAD, NAME
+from .blocktable import RolloutCache
+from .preemption import RolloutOffloading
+from .router import RolloutRouter
+from .runner import Record, RolloutIOs, RolloutModelRunner, RowSlotArgs
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What the engine hears from upstream's objects, all on the engine thread:
+    - on_output(output): a request finished or failed, or a streamed one progressed (router.py);
+    - on_sampled(request_ids, sampling_logprobs, tops): a step's sampled tokens, read back (runner.py);
+    - on_prefix_hit(request_id, num_tokens) and on_split(request_id, num_prompt_tokens) (scheduler.py);
+    - on_schedule(cache): a step's pages are allocated (the KV peak);
+    - on_preempt(request_ids): requests soft reset under KV pressure (preemption.py);
+    - on_step(start, end): every step's forward, timed (for a `TurnTrace`)."""
+
+    on_output: Callable[[GenerationOutput], None]
+    on_sampled: Record
+    on_prefix_hit: Callable[[str, int], None]
+    on_split: Callable[[str, int], None]
+    on_schedule: Callable[[object], None]
+    on_preempt: Callable[[list[str]], None]
+    on_step: Callable[[float, float], None]
+
+
+class RolloutManager(ContinuousBatchingManager):
+    def __init__(self, model, generation_config, continuous_batching_config, row_slots: RowSlotArgs,
+                 hooks: Hooks) -> None:
+        super().__init__(model, generation_config, continuous_batching_config)
+        self.logit_processor = row_slots  # every batch processor built from here on carries the rows' slots
+        self.trace_steps = hooks.on_step
+        self.output_router = RolloutRouter(hooks.on_output)
+        processor = self.batch_processor = self._create_batch_processor()  # the loop reuses it
+        RolloutCache.adopt(processor.cache)
+        scheduler = processor.scheduler
+        scheduler.on_prefix_hit, scheduler.on_split = hooks.on_prefix_hit, hooks.on_split
+        scheduler.on_schedule = hooks.on_schedule
+        RolloutOffloading.adopt(processor.offloading_manager, hooks.on_preempt)
+        RolloutModelRunner.adopt(processor.model_runner)
+        RolloutIOs.adopt(processor.inputs_and_outputs, hooks.on_sampled)
+        row_slots.table.stream = processor.inputs_and_outputs.compute_stream
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The longest request (prompt + completion) the cache can hold."""
+        return infer_max_single_request_tokens(self.batch_processor.cache)
+
+    def start(self) -> None:
+        """upstream's `start()`, with a daemon thread."""
+        self.background_thread_status.clear()
+        self._generation_thread = threading.Thread(target=self._run_generation_loop, daemon=True,
+                                                   name="rollout-engine")
+        self._generation_thread.start()
+
+    def has_thread(self) -> bool:
+        return self._generation_thread is not None
+
+    def submit(self, state: RequestState) -> None:
+        self.input_queue.put(state)
+        self._wake_up_loop.set()
+
+    def switch_to_cb_friendly_attn(self, model, auto_switch_to_flash: bool = True) -> None:
+        if model.config._attn_implementation == NAME:
+            return
+        super().switch_to_cb_friendly_attn(model, auto_switch_to_flash)
+
+    def _run_generation_loop(self, *args, **kwargs):
+        ENGINE_THREAD.active = True
+        try:
+            return super()._run_generation_loop(*args, **kwargs)
+        finally:
+            ENGINE_THREAD.active = False
+
+    def _generation_step(self) -> None:
+        trace = self.trace_steps
+        if trace is None:
+            return super()._generation_step()
+        start = time.perf_counter()
+        super()._generation_step()
+        trace(start, time.perf_counter())
