@@ -14,6 +14,7 @@ import openai
 import pytest
 from test_serve import ADD, CALL, USER, assert_exact, chat, http, serving, tok  # noqa: F401  (tok: a fixture)
 
+from rollout import SamplingParams
 from rollout.testing import load_tiny_model, teach
 
 LOGPROBS = ["message.output_text.logprobs"]
@@ -59,6 +60,9 @@ def test_a_text_response_has_exact_logprobs_token_ids_and_usage(served, tok):
     values = [t.logprob for t in r.output[0].content[0].logprobs]
     assert values == extra["token_logprobs"]
     assert_exact(worker.model, extra["prompt_token_ids"], ids, values, temperature=0.9)
+    direct = worker.generate([extra["prompt_token_ids"]], SamplingParams(temperature=0.9, max_new_tokens=12, seed=5,
+                                                                          stop_token_ids=()))
+    assert direct.completion_token_lists() == [ids] and direct.logprobs[0].tolist() == values  # bit for bit
     assert extra["token_versions"] == [worker.policy_version] * 12 and extra["policy_version"] == worker.policy_version
     assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == (len(rendered(tok, USER)), 12,
                                                                                    len(rendered(tok, USER)) + 12)
@@ -114,7 +118,7 @@ def test_top_logprobs_are_the_exact_alternatives(served):
 def test_a_client_that_leaves_a_stream_cancels_its_turn(served, monkeypatch):
     from test_serve import wait_until
 
-    from rollout.engine.runner import RolloutModelRunner
+    from rollout.engine.upstream.runner import RolloutModelRunner
 
     worker, _, client = served
     engine, original = worker.engine, RolloutModelRunner._forward_process_and_sample
