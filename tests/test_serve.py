@@ -7,6 +7,7 @@ an independent reference: logprobs against a plain teacher-forced forward, token
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -48,12 +49,20 @@ def served(tiny_path, tok):
     model, _ = load_tiny_model(tiny_path)
     prompt = tok.apply_chat_template(USER, tools=[ADD], add_generation_prompt=True, return_dict=False)
     teach(model, [(prompt, tok.encode(CALL))], steps=60)
+    with serving(model, tok) as handles:
+        yield handles
+
+
+@contextlib.contextmanager
+def serving(model, tok):
+    """(worker, server, client) over `model`, shared in place by a worker, served on a free port."""
     worker = RolloutWorker(model, WorkerConfig(page_size=16, max_batch_tokens=128), tokenizer=tok)
     server = rollout.serve(worker, port=0, model_name="tiny")
-    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=600)
-    yield worker, server, client
-    server.close()
-    worker.close()
+    try:
+        yield worker, server, openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=600)
+    finally:
+        server.close()
+        worker.close()
 
 
 def http(url: str, data: bytes | None = None) -> tuple[int, dict]:
@@ -258,17 +267,19 @@ def test_tool_calls_are_parsed_by_the_tokenizers_own_parser(served, tok):
     assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == [("add", {"a": 2, "b": 3})]
     assert streamed[-1].choices[0].finish_reason == "tool_calls"
     assert not any(choice.delta.content for ch in streamed for choice in ch.choices)  # no raw markup streamed
-    plain = chat(client, tools=[ADD], tool_choice="none", temperature=0, max_tokens=64).choices[0]
-    assert plain.finish_reason == "stop" and plain.message.tool_calls is None
-    assert plain.message.content == tok.decode(tok.encode(CALL), skip_special_tokens=True)
+    plain = chat(client, tools=[ADD], tool_choice="none", temperature=0, max_tokens=64)  # the tools are not rendered
+    assert plain.model_extra["prompt_token_ids"] == tok.apply_chat_template(USER, add_generation_prompt=True,
+                                                                            return_dict=False)
+    assert plain.choices[0].message.tool_calls is None
     with pytest.raises(openai.BadRequestError) as error:
         chat(client, tools=[ADD], tool_choice="required")
     assert error.value.body["param"] == "tool_choice"
 
 
-def test_a_call_of_valid_json_but_not_a_calls_shape_is_plain_content(tok):
+def test_a_call_of_valid_json_but_not_a_calls_shape_is_content_with_its_markup_and_why(tok):
     """A sampled call whose JSON parses but has no string name (or arguments that are not an object) is returned as
-    content, not as a tool call the client could not send back (the server refuses such a message with a 400)."""
+    content, not as a tool call the client could not send back (the server refuses such a message with a 400); the
+    markup stays as the model wrote it and the reason comes with it."""
     from rollout.server.chat import ChatFormat
 
     fmt = ChatFormat(tok)
@@ -276,11 +287,12 @@ def test_a_call_of_valid_json_but_not_a_calls_shape_is_plain_content(tok):
     for markup in ('{"nam": "add", "arguments": {}}', '{"name": 5, "arguments": {}}',
                    '{"name": "add", "arguments": [1]}'):
         ids = tok.encode(f"<tool_call>{markup}</tool_call><|end|>")
-        message = fmt.message(ids, tok.decode(ids, skip_special_tokens=True), prompt, [ADD])
-        assert "tool_calls" not in message and message["content"] == markup
+        message, error = fmt.message(ids, tok.decode(ids, skip_special_tokens=True), prompt, [ADD])
+        assert "tool_calls" not in message and message["content"] == f"<tool_call>{markup}</tool_call>"
+        assert "name" in error
     ids = tok.encode(CALL)
-    good = fmt.message(ids, tok.decode(ids, skip_special_tokens=True), prompt, [ADD])
-    assert [c["function"]["name"] for c in good["tool_calls"]] == ["add"]
+    good, error = fmt.message(ids, tok.decode(ids, skip_special_tokens=True), prompt, [ADD])
+    assert [c["function"]["name"] for c in good["tool_calls"]] == ["add"] and error is None
 
 
 # ---------------------------------------------------------------------------------------------- episodes

@@ -9,8 +9,11 @@ each: `protocol.py` (request bodies, checked), `chat.py` (chat template in, pars
 continuations), `choices.py` (rows to choices: stop strings, streaming deltas), `responses.py` (response and chunk
 bodies), `backend.py` (the rollout side seen from the event loop), `episodes.py` (episode recording, segments),
 `service.py` (one request, start to end), `prompts.py` (prompt logprobs, teacher-forced by the rollout side's
-`score`), `tokens.py` (vLLM's token-in/token-out endpoints), `limits.py` (how much one request may ask), `app.py`
-(the FastAPI routes), `server.py` (the handle and `serve`), `errors.py` (OpenAI's error shape). Docs: docs/serve.md.
+`score`), `tokens.py` (vLLM's token-in/token-out endpoints), `turns.py` (a Responses API request, read as the chat
+request it runs as), `items.py` (Responses items and tools in chat shapes, and back), `replies.py` (the Responses
+object and its events), `store.py` (the responses kept for `previous_response_id`), `limits.py` (how much one
+request may ask), `app.py` (the FastAPI routes), `server.py` (the handle and `serve`), `errors.py` (OpenAI's error
+shape). Docs: docs/serve.md.
 """
 
 from .episodes import EpisodeBatch, EpisodeRecorder

@@ -4,6 +4,8 @@
     GET  /v1/models              the one model served (and GET /v1/models/{id}: its card)
     POST /v1/chat/completions    chat.completion, or server-sent chunks with "stream": true
     POST /v1/completions         text_completion, likewise
+    POST /v1/responses           a response, or its events with "stream": true (turns.py, replies.py); GET and
+                                 DELETE /v1/responses/{id}: a stored one (store.py)
     POST /inference/v1/generate  token ids in, token ids out (vLLM's shape: tokens.py)
     POST /tokenize, /detokenize  the served tokenizer (vLLM's shapes)
 
@@ -25,11 +27,13 @@ from fastapi import Depends, FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from . import tokens
+from . import replies, tokens
 from .errors import ApiError
 from .limits import read_json
 from .protocol import parse
 from .service import Service
+from .store import ResponseStore
+from .turns import turn_of
 
 
 def build_app(service: Service, api_key: str | None = None, policy_version=lambda: 0) -> FastAPI:
@@ -80,6 +84,21 @@ def build_app(service: Service, api_key: str | None = None, policy_version=lambd
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(request: HttpRequest):
         return await _serve(service, "completion", request)
+
+    stored = ResponseStore()
+
+    @app.post("/v1/responses", dependencies=[Depends(authorize)])
+    async def create_response(http: HttpRequest):
+        turn = turn_of(service, stored, read_json(await http.body(), service.request_limits), _headers(http))
+        generation = await service.start(turn.request, turn.prepared)
+        if turn.request.stream:
+            return StreamingResponse(replies.events(service, stored, turn, generation),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return JSONResponse(await _unless_disconnected(http, replies.complete(service, stored, turn, generation)))
+
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"], dependencies=[Depends(authorize)])
+    async def stored_response(response_id: str, http: HttpRequest) -> dict:
+        return replies.stored(stored, response_id, http.method == "DELETE")
 
     @app.post("/inference/v1/generate", dependencies=[Depends(authorize)])
     async def generate(http: HttpRequest):

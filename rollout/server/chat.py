@@ -9,8 +9,11 @@ to an assistant message through its own `parse_response`.
   by rendering a one-turn chat: chat requests stop on it as well as on the model's EOS.
 - `message(ids, prompt, tools)`: the assistant message of a completion. With tools, `tokenizer.parse_response` (its
   `response_template`) splits content and tool calls; a completion the parser rejects, or whose calls are not
-  `{"name": <string>, "arguments": <object or string>}` (valid JSON of another shape), is plain content: a call the
-  server returns can always be sent back.
+  `{"name": <string>, "arguments": <object or string>}` (valid JSON of another shape), is content with its markup
+  kept as the model wrote it (special tokens included, the closing end of turn left out) and a `tool_call_error`
+  saying why: a call the server returns can always be sent back, and a harness can see that the model tried one.
+- `ContentStream`: the content of a turn with tools while it streams, read by the tokenizer's own streaming parser
+  (`get_response_parser`): text streams as it comes and stops where a call begins.
 - `continuation(...)`: the next prompt of an episode built from the tokens the model actually sampled, plus the
   rendering of the messages that came after them (see docs/serve.md, "Episodes"): no re-tokenized history.
 """
@@ -18,9 +21,11 @@ to an assistant message through its own `parse_response`.
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from typing import Any
 
+from .choices import IncrementalText
 from .errors import bad_request
 
 
@@ -67,18 +72,30 @@ class ChatFormat:
         return (closing[-1],) if closing else ()
 
     # ------------------------------------------------------------------ ids -> message
-    def message(self, ids: list[int], text: str, prompt: list[int], tools: list[dict] | None) -> dict:
-        """The assistant message of a completion (`text`: its decoded text, stop strings already cut)."""
-        if tools:
-            try:
-                parsed = self.tokenizer.parse_response(ids, prefix=prompt, tools=tools)
-            except ValueError:  # the model's call did not parse: the turn is plain text, as it was written
-                parsed = None
-            if isinstance(parsed, dict) and parsed.get("tool_calls") and all(map(_is_call, parsed["tool_calls"])):
-                message = {k: v for k, v in parsed.items() if k not in ("role", "tool_calls")}
-                message.setdefault("content", None)
-                return {"role": "assistant", **message, "tool_calls": [openai_call(c) for c in parsed["tool_calls"]]}
-        return {"role": "assistant", "content": text}
+    def message(self, ids: list[int], text: str, prompt: list[int],
+                tools: list[dict] | None) -> tuple[dict, str | None]:
+        """(the assistant message of a completion, why its tool call was rejected or None). `text`: its decoded
+        text, stop strings already cut."""
+        if not tools:
+            return {"role": "assistant", "content": text}, None
+        try:
+            parsed = self.tokenizer.parse_response(ids, prefix=prompt, tools=tools)
+        except ValueError as error:  # the model's call did not parse: its markup stays visible
+            return self._raw(ids), f"the tool call did not parse: {str(error).splitlines()[0]}"
+        calls = parsed.get("tool_calls") if isinstance(parsed, dict) else None
+        if not calls:
+            return {"role": "assistant", "content": text}, None
+        if not all(map(_is_call, calls)):
+            return self._raw(ids), "the tool call is not {\"name\": <string>, \"arguments\": <object or string>}"
+        message = {k: v for k, v in parsed.items() if k not in ("role", "tool_calls")}
+        message.setdefault("content", None)
+        return {"role": "assistant", **message, "tool_calls": [openai_call(c) for c in calls]}, None
+
+    def _raw(self, ids: list[int]) -> dict:
+        """The turn as written, markup and all, without the token that closed it."""
+        end = set(self.end_of_turn) | {getattr(self.tokenizer, "eos_token_id", None)}
+        kept = ids[:-1] if ids and ids[-1] in end else ids
+        return {"role": "assistant", "content": self.tokenizer.decode(kept, skip_special_tokens=False)}
 
     # ------------------------------------------------------------------ episodes
     def continuation(self, before: list[dict], messages: list[dict], tools: list[dict] | None,
@@ -100,6 +117,60 @@ class ChatFormat:
         if after[:cut] != closed[:cut]:
             return None
         return context + completion + after[cut:]
+
+
+class ContentStream:
+    """The content of one streamed turn with tools. The tokenizer's streaming parser (`get_response_parser`) reads
+    the turn as it is written (special tokens included); content streams while it is the text the parser puts in the
+    `content` region and `StreamedChoice` has cleared (stop strings, half characters), and stops for good where a call
+    begins. Whitespace at the end is held back (the parsed content of a turn with a call drops it). A turn whose text
+    is not its content from the start (a reasoning region before it) streams nothing until `finish`. Each step costs
+    the new text only: the parser and the decode are incremental, and the comparison starts where the sent text ends."""
+
+    def __init__(self, tokenizer: Any, prompt: list[int], tools: list[dict]) -> None:
+        self.parser = tokenizer.get_response_parser(prefix=prompt, tools=tools)
+        self.decoded = IncrementalText(_Written(tokenizer))
+        self.fed, self.content, self.sent, self.calling, self.parted = 0, "", "", False, False
+
+    def advance(self, ids: list[int], text: str) -> str:
+        """The content to send now: `ids` the turn's tokens so far, `text` what `StreamedChoice` has cleared."""
+        if not self.calling:
+            written = self.decoded.update(ids)
+            try:
+                events = self.parser.feed(written[self.fed:])
+            except ValueError:  # a call's region closed unparsable: a call began all the same
+                events = [{"type": "region_open", "field": "tool_calls"}]
+            self.fed = len(written)
+            for event in events:
+                self.calling = self.calling or (event["type"] == "region_open" and event["field"] == "tool_calls")
+                if not self.calling and event["type"] == "region_chunk" and event["field"] == "content":
+                    self.content += event["text"]
+        if self.parted:
+            return ""
+        start = len(self.sent)
+        ahead, cleared = self.content[start:], text[start:len(self.content) + 1]
+        common = os.path.commonprefix([ahead, cleared])
+        if len(common) < min(len(ahead), len(cleared)):  # the texts part ways for good (a region before the content)
+            self.calling = self.parted = True
+            return ""
+        delta = common.rstrip()
+        self.sent += delta
+        return delta
+
+    def finish(self, content: str | None) -> str:
+        """What is left to send of the final message's content (nothing if it does not extend what was sent)."""
+        content = content or ""
+        return content[len(self.sent):] if content.startswith(self.sent) else ""
+
+
+class _Written:
+    """A turn's text as the model wrote it, special tokens included (what the response parser reads)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def normalize(messages: list[dict]) -> list[dict]:

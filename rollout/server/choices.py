@@ -4,10 +4,11 @@ The engine stops on token ids (the model's EOS, the chat template's end of turn,
 string that is one token). A `stop` string is text, though, and may span tokens or sit inside one: `Detokenizer.cut`
 finds the first stop string in the decoded text and keeps the tokens up to the one that completes it (their ids and
 logprobs are exact; the text ends before the stop string, as OpenAI's does; the tokens sampled after it are dropped,
-from the response and from a recorded episode alike). `StreamedChoice` does the same while the tokens arrive, holding
-back text that could still turn out to be the start of a stop string (or half of a UTF-8 character). It decodes
-incrementally (`IncrementalText`) and searches only the new text for stop strings, so a streamed row costs time
-linear in its length; its last chunk is checked against the whole row's decode.
+from the response and from a recorded episode alike, and counted in `usage`: `Choice.sampled`). `StreamedChoice`
+does the same while the tokens arrive, holding back text that could still turn out to be the start of a stop string
+(or half of a UTF-8 character). It decodes incrementally (`IncrementalText`) and searches only the new text for stop
+strings, so a streamed row costs time linear in its length; its last chunk is checked against the whole row's
+decode.
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ class Choice:
     text: str
     message: dict | None = None  # chat: the assistant message (content, tool calls)
     top: list[Top] | None = None  # per token, when the request asked for top logprobs
+    sampled: int = 0  # tokens the engine sampled, those past a stop string included (what usage counts)
+    tool_call_error: str | None = None  # why the parser rejected the call the model wrote (its markup is content)
 
     @property
     def policy_version(self) -> int | None:
@@ -99,7 +102,8 @@ def choice_of(index: int, row: Row, detok: Detokenizer) -> Choice:
     finish = "stop" if stopped or row.finish_reason == "stop" else "length"
     top = None if row.top_ids is None else list(zip(row.top_ids[:kept], row.top_logprobs[:kept]))
     return Choice(index, list(row.prompt_ids), list(row.completion_ids[:kept]), list(row.logprobs[:kept]),
-                  list(row.sampling_logprobs[:kept]), versions[:kept], finish, text, top=top)
+                  list(row.sampling_logprobs[:kept]), versions[:kept], finish, text, top=top,
+                  sampled=len(row.completion_ids))
 
 
 @dataclass

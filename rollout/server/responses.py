@@ -68,9 +68,9 @@ def chat_response(request: Request, rid: str, created: int, model: str, choices:
         out_choices.append({
             "index": c.index, "message": c.message, "finish_reason": c.finish_reason,
             "logprobs": chat_logprobs(c.token_ids, c.logprobs, detok, c.top) if request.logprobs else None,
-            **extensions(request, c.token_ids, c.token_versions, c)})
+            **extensions(request, c.token_ids, c.token_versions, c), **_rejected(c)})
     body = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out_choices,
-            "usage": usage(len(choices[0].prompt_ids), sum(len(c.token_ids) for c in choices), cached_tokens)}
+            "usage": usage(len(choices[0].prompt_ids), sum(c.sampled for c in choices), cached_tokens)}
     if request.return_token_ids:
         body["prompt_token_ids"] = choices[0].prompt_ids
     if request.prompt_logprobs is not None:
@@ -100,7 +100,12 @@ def completion_response(request: Request, rid: str, created: int, model: str, ch
         out_choices.append(item)
     prompt_tokens = sum(len(c.prompt_ids) for c in choices[:: request.n])
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": out_choices,
-            "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices), cached_tokens)}
+            "usage": usage(prompt_tokens, sum(c.sampled for c in choices), cached_tokens)}
+
+
+def _rejected(choice: Choice) -> dict:
+    """`tool_call_error` on a choice whose call the parser rejected (its content is the markup as written)."""
+    return {"tool_call_error": choice.tool_call_error} if choice.tool_call_error else {}
 
 
 def _prompt_text(request: Request, choice: Choice, detok: Detokenizer) -> str:
@@ -130,11 +135,11 @@ class Chunks:
                              "finish_reason": None}], **extra)
 
     def delta(self, index: int, delta: Delta, prompt_ids: list[int]) -> dict:
-        """Tokens of a choice as they come (with tools, content waits for the parsed message at the end)."""
+        """Tokens of a choice as they come (with tools, `delta.text` is the content until a call begins)."""
         req = self.request
         ext = extensions(req, delta.token_ids, delta.token_versions)
         if req.kind == "chat":
-            body: dict[str, Any] = {"content": delta.text} if delta.text and not req.parses_tools else {}
+            body: dict[str, Any] = {"content": delta.text} if delta.text else {}
             lp = chat_logprobs(delta.token_ids, delta.logprobs, self.detok, delta.top) if req.logprobs else None
             return self._chunk([{"index": index, "delta": body, "logprobs": lp, "finish_reason": None, **ext}])
         offset = self.offsets.get(index, 0)
@@ -145,19 +150,21 @@ class Chunks:
         return self._chunk([{"index": index, "text": delta.text, "logprobs": lp, "finish_reason": None, **ext,
                              **first}])
 
-    def finish(self, choice: Choice) -> dict:
-        """The last chunk of a choice: its finish reason, policy version, and (chat with tools) the message."""
+    def finish(self, choice: Choice, content: str | None = None) -> dict:
+        """The last chunk of a choice: its finish reason, policy version, and (chat with tools) the rest of the
+        message: `content`, what is left of its content after what streamed, and its calls."""
         req = self.request
         ext = {"policy_version": choice.policy_version} if req.return_token_ids else {}
         if req.kind == "chat":
             body: dict[str, Any] = {}
             if req.parses_tools:
                 message = choice.message or {}
-                body = {k: v for k, v in message.items() if k != "role"}
+                body = {k: v for k, v in message.items() if k not in ("role", "content")}
+                body |= {"content": content} if content else {}
                 if body.get("tool_calls"):
                     body["tool_calls"] = [{"index": i, **c} for i, c in enumerate(body["tool_calls"])]
             return self._chunk([{"index": choice.index, "delta": body, "logprobs": None,
-                                 "finish_reason": choice.finish_reason, **ext}])
+                                 "finish_reason": choice.finish_reason, **ext, **_rejected(choice)}])
         return self._chunk([{"index": choice.index, "text": "", "logprobs": None,
                              "finish_reason": choice.finish_reason, **ext}])
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from ..base.params import SamplingParams
 from .backend import Generation
-from .chat import ChatFormat, normalize, same_message
+from .chat import ChatFormat, ContentStream, normalize, same_message
 from .choices import Choice, Detokenizer, Diverged, StreamedChoice, choice_of
 from .episodes import EpisodeRecorder
 from .errors import ApiError, bad_request, from_value_error
@@ -91,7 +91,7 @@ class Service:
 
     def _prompts(self, request: Request) -> list[list[int]]:
         if request.messages is not None:
-            return [self._continuation(request) or self.chat.render(request.messages, request.tools)]
+            return [self._continuation(request) or self.chat.render(request.messages, rendered_tools(request))]
         if any(isinstance(p, str) for p in request.prompts) and self.tokenizer is None:
             raise bad_request("prompt", "text prompts need a tokenizer. Fix: send token ids")
         return [list(self.tokenizer(p, add_special_tokens=False)["input_ids"]) if isinstance(p, str) else p
@@ -100,14 +100,15 @@ class Service:
     def _continuation(self, request: Request) -> list[int] | None:
         last = self.recorder.last(request.episode_id) if request.episode_id is not None else None
         messages = request.messages
-        if last is None or last.tools != request.tools or len(messages) <= len(last.messages) + 1:
+        tools = rendered_tools(request)
+        if last is None or last.tools != tools or len(messages) <= len(last.messages) + 1:
             return None
         k = len(last.messages)
         if normalize(messages[:k]) != normalize(last.messages):
             return None
         for choice in last.choices:
             if choice.message is not None and same_message(messages[k], choice.message):
-                return self.chat.continuation(last.messages, messages, request.tools, last.prompt_ids,
+                return self.chat.continuation(last.messages, messages, tools, last.prompt_ids,
                                               choice.token_ids)
         return None
 
@@ -203,6 +204,7 @@ class Service:
         chunks = Chunks(request, rid, created, self.model_name, prepared.detok)
         n = request.n
         states = {i: StreamedChoice(i, prepared.detok) for i in range(n * len(prepared.prompts))}
+        contents = {i: self.content_stream(request, prepared.prompts[i // n]) for i in states}
         try:
             for i in states:
                 chunk = chunks.start(i, prepared.prompts[i // n])
@@ -212,16 +214,21 @@ class Service:
                 p, s, ids, logprobs, versions, top = item
                 delta = states[p * n + s].advance(ids, logprobs, versions, top)
                 if delta is not None:
-                    yield chunks.delta(p * n + s, delta, prepared.prompts[p])
+                    yield chunks.delta(p * n + s, _content(delta, contents[p * n + s], states[p * n + s]),
+                                       prepared.prompts[p])
             batch = await _result(generation)
             choices = self._choices(request, prepared, batch)
             for c in choices:
                 delta = states[c.index].advance(c.token_ids, c.logprobs, c.token_versions, c.top, final=True)
-                if delta is not None:
+                content = contents[c.index]
+                if delta is not None and content is None:
                     yield chunks.delta(c.index, delta, c.prompt_ids)
-                yield chunks.finish(c)
+                elif delta is not None:  # with tools the final message's content ends the stream's content
+                    delta.text = ""
+                    yield chunks.delta(c.index, delta, c.prompt_ids)
+                yield chunks.finish(c, content.finish(c.message["content"]) if content is not None else None)
             if request.include_usage:
-                yield chunks.usage(sum(len(p) for p in prepared.prompts), sum(len(c.token_ids) for c in choices),
+                yield chunks.usage(sum(len(p) for p in prepared.prompts), sum(c.sampled for c in choices),
                                    int(batch.stats.get("reused_tokens", 0)))
             self._record(request, choices)
             yield "[DONE]"
@@ -235,13 +242,17 @@ class Service:
         finally:
             generation.cancel()
 
+    def content_stream(self, request: Request, prompt: list[int]) -> ContentStream | None:
+        """With tools parsed: what of a streamed turn's text is content (until a call begins)."""
+        return ContentStream(self.tokenizer, prompt, request.tools) if request.parses_tools else None
+
     def _choices(self, request: Request, prepared: Prepared, batch) -> list[Choice]:
         choices = []
         for i, row in enumerate(batch.rows()):
             choice = choice_of(i, row, prepared.detok)
             if request.kind == "chat":
-                choice.message = self.chat.message(choice.token_ids, choice.text, choice.prompt_ids,
-                                                   request.tools if request.parses_tools else None)
+                choice.message, choice.tool_call_error = self.chat.message(
+                    choice.token_ids, choice.text, choice.prompt_ids, rendered_tools(request))
                 if choice.message.get("tool_calls"):
                     choice.finish_reason = "tool_calls"
             choices.append(choice)
@@ -253,7 +264,21 @@ class Service:
         n = request.n
         for start in range(0, len(choices), n):
             group = choices[start: start + n]
-            self.recorder.record(request.episode_id, group[0].prompt_ids, group, request.messages, request.tools)
+            self.recorder.record(request.episode_id, group[0].prompt_ids, group, request.messages,
+                                 rendered_tools(request))
+
+
+def rendered_tools(request: Request) -> list[dict] | None:
+    """The tools the chat template renders and the parser reads: none with tool_choice "none" (the model is not
+    told about them, so it does not write calls that would come back as text)."""
+    return request.tools if request.parses_tools else None
+
+
+def _content(delta, content, state: StreamedChoice):
+    """A streamed delta whose text is, with tools, the content that may be sent now (text until a call begins)."""
+    if content is not None:
+        delta.text = content.advance(state.token_ids, state.sent_text)
+    return delta
 
 
 async def _result(generation: Generation):

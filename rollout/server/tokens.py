@@ -90,7 +90,7 @@ async def generate_response(service: Service, request: Request, prepared: Prepar
         prompt_logprobs = vllm_prompt_logprobs(prompt, outcome.prompt_scores[0].first(request.prompt_logprobs), detok)
     return {"request_id": request_id, "choices": choices, "prompt_token_ids": prompt,
             "prompt_logprobs": prompt_logprobs, "kv_transfer_params": None,
-            "usage": usage(len(prompt), sum(len(c.token_ids) for c in outcome.choices), outcome.cached_tokens)}
+            "usage": usage(len(prompt), sum(c.sampled for c in outcome.choices), outcome.cached_tokens)}
 
 
 def tokenize(service: Service, body: Any) -> dict:
