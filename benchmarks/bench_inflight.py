@@ -57,7 +57,7 @@ def main() -> None:
             start = time.perf_counter()
             future = worker.submit(prompts, params)
             while True:
-                counts = [len(v) for v in list(worker.engine._ledger.versions.values())]
+                counts = [len(v) for v in list(worker.engine._requests.ledger.versions.values())]
                 if len(counts) == len(prompts) and min(counts) >= 24:
                     break
                 time.sleep(0.002)

@@ -43,7 +43,7 @@ def wait_for_tokens(worker, at_least: int, timeout: float = 30.0) -> None:
     """Until every in-flight request has sampled `at_least` tokens (so a switch now lands mid-generation)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        counts = [len(v) for v in list(worker.engine._ledger.versions.values())]
+        counts = [len(v) for v in list(worker.engine._requests.ledger.versions.values())]
         if counts and min(counts) >= at_least:
             return
         time.sleep(0.001)
@@ -206,7 +206,7 @@ def test_cancel_and_timeouts_release_everything_the_requests_held(own):
             with pytest.raises(CancelledError):
                 future.result()
     time.sleep(0.3)  # the loop drops the cancelled requests at its next step
-    assert not engine._pending and not engine._calls and len(engine._ledger) == 0
+    assert not engine._requests.pending and not engine._calls and len(engine._requests.ledger) == 0
     scheduler = engine._manager.batch_processor.scheduler
     assert not scheduler.active_requests and not scheduler.waiting_requests
     batch = worker.generate(prompts_of([7]), SamplingParams(max_new_tokens=5))
@@ -307,4 +307,4 @@ def test_as_completed_yields_finished_groups_then_raises_on_cancel_and_its_timeo
         list(timed.as_completed(timeout=0.01))
     assert len(timed.result(timeout=60)) == 2 and timed.discarded_tokens == 0  # the call went on
     time.sleep(0.3)  # the loop drops the cancelled requests at its next step
-    assert not engine._pending and not engine._calls and len(engine._ledger) == 0
+    assert not engine._requests.pending and not engine._calls and len(engine._requests.ledger) == 0

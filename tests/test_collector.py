@@ -55,17 +55,17 @@ def assert_nothing_left(worker) -> None:
     """The engine holds nothing of the collector's: no pending request, call or ledger entry, an empty scheduler."""
     engine = worker.engine
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and (engine._pending or engine._calls):
+    while time.monotonic() < deadline and (engine._requests.pending or engine._calls):
         time.sleep(0.01)
     time.sleep(0.2)  # the loop drops cancelled requests at its next step
-    assert not engine._pending and not engine._calls and len(engine._ledger) == 0
+    assert not engine._requests.pending and not engine._calls and len(engine._requests.ledger) == 0
     scheduler = engine._manager.batch_processor.scheduler
     assert not scheduler.active_requests and not scheduler.waiting_requests
 
 
 def wait_progress(worker, tokens: int = 6, timeout: float = 30.0) -> None:
     """Until every request in flight has sampled `tokens` more (or finished): an update now lands mid-row."""
-    ledger = worker.engine._ledger
+    ledger = worker.engine._requests.ledger
     start = {rid: len(v) for rid, v in list(ledger.versions.items())}
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -215,7 +215,7 @@ def test_partial_false_cancels_the_leftovers_and_close_leaves_nothing_behind(own
         assert_nothing_left(own)  # nothing keeps running between calls
     collector = RolloutCollector(own, prompts_of(40), LONG, over_sample=3.0, partial=True)
     collector.next_batch(2)
-    assert own.engine._pending  # partial: the leftovers run on
+    assert own.engine._requests.pending  # partial: the leftovers run on
     collector.close()
     assert_nothing_left(own)
     with pytest.raises(RuntimeError, match="closed"):

@@ -84,10 +84,10 @@ def test_generate_on_a_sleeping_worker_wakes_it_and_sleep_waits_for_in_flight_ca
     result = {}
     caller = threading.Thread(target=lambda: result.setdefault("batch", worker.generate([prompt_of(30)], params)))
     caller.start()
-    while not worker.engine._pending and "batch" not in result:  # until the call is in the engine
+    while not worker.engine._requests.pending and "batch" not in result:  # until the call is in the engine
         threading.Event().wait(0.005)
     worker.sleep()  # waits for it: every row finished before the engine stopped
-    assert worker.is_sleeping and not worker.engine._pending
+    assert worker.is_sleeping and not worker.engine._requests.pending
     caller.join(timeout=30)  # the caller's own return (building its batch) comes after the engine's part
     assert result["batch"].completion_lengths.tolist() == [60] * 4
     assert worker.is_sleeping  # the call never needed the engine again: it was complete when sleep returned

@@ -43,7 +43,7 @@ def assert_versions_exact(models: dict, batch, expected: set[int]) -> None:
 def sampled_some(worker, at_least: int, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if max((len(v) for v in list(worker.engine._ledger.versions.values())), default=0) >= at_least:
+        if max((len(v) for v in list(worker.engine._requests.ledger.versions.values())), default=0) >= at_least:
             return
         time.sleep(0.001)
     raise AssertionError("no request got going")

@@ -407,13 +407,13 @@ def test_a_client_that_disconnects_cancels_its_request(served, monkeypatch):
     start = time.monotonic()
     with pytest.raises(openai.APITimeoutError):
         chat(impatient, max_tokens=900, extra_body={"ignore_eos": True})
-    assert wait_until(lambda: not engine._pending and len(engine._ledger) == 0 and not engine._calls, 10)
+    assert wait_until(lambda: not engine._requests.pending and len(engine._requests.ledger) == 0 and not engine._calls, 10)
     streamed = chat(client, max_tokens=900, stream=True, extra_body={"ignore_eos": True})
     chunks = [next(streamed) for _ in range(4)]
     assert chunks[-1].choices[0].model_extra["token_ids"]
-    assert engine._pending
+    assert engine._requests.pending
     streamed.close()
-    assert wait_until(lambda: not engine._pending and len(engine._ledger) == 0 and not engine._calls, 10)
+    assert wait_until(lambda: not engine._requests.pending and len(engine._requests.ledger) == 0 and not engine._calls, 10)
     assert time.monotonic() - start < 20  # both were cancelled, not run to their 900 tokens
 
 

@@ -131,9 +131,9 @@ def test_a_client_that_leaves_a_stream_cancels_its_turn(served, monkeypatch):
     start = time.monotonic()
     stream = respond(client, max_output_tokens=900, stream=True, extra_body={"ignore_eos": True})
     kinds = [next(stream).type for _ in range(5)]
-    assert kinds[-1] == "response.output_text.delta" and engine._pending
+    assert kinds[-1] == "response.output_text.delta" and engine._requests.pending
     stream.close()
-    assert wait_until(lambda: not engine._pending and len(engine._ledger) == 0 and not engine._calls, 10)
+    assert wait_until(lambda: not engine._requests.pending and len(engine._requests.ledger) == 0 and not engine._calls, 10)
     assert time.monotonic() - start < 15
 
 

@@ -545,7 +545,7 @@ def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tiny, monke
         seen = spy_updates(trainer, monkeypatch)
         history = trainer.train(3)
         trainer.close()
-        assert not worker.engine._pending and not worker.engine._calls  # partial=False: nothing left running
+        assert not worker.engine._requests.pending and not worker.engine._calls  # partial=False: nothing left running
     for (batch, rewards), m in zip(seen, history):
         assert len(batch) == 16 and torch.equal(rewards, batch.rewards)
         assert (rewards.view(4, 4).std(dim=1) > 0).all()  # every group trained on has a signal
@@ -571,7 +571,7 @@ def test_partial_rollouts_train_on_rows_spanning_versions_with_their_own_behavio
             history.append(trainer.step())
             snapshots[step + 1] = copy.deepcopy(model).eval()
         trainer.close()
-        assert not worker.engine._pending and not worker.engine._calls
+        assert not worker.engine._requests.pending and not worker.engine._calls
     spanning = 0
     for step, (batch, _) in enumerate(seen):
         produced = batch.token_versions[batch.action_mask]

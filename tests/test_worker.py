@@ -208,7 +208,7 @@ def test_bad_input_is_rejected_before_anything_is_submitted(shared, prompts, sam
     next_id = repr(engine._ids)  # itertools.count(k): k is the id the next request gets
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         shared.generate(prompts, sampling)
-    assert repr(engine._ids) == next_id and not engine._pending and engine._manager.input_queue.empty()
+    assert repr(engine._ids) == next_id and not engine._requests.pending and engine._manager.input_queue.empty()
     monkeypatch.undo()
     assert len(shared.generate([[5, 6]], SamplingParams(max_new_tokens=2))) == 1
     assert repr(engine._ids) != next_id  # the witness works: a good call does take an id
@@ -269,7 +269,7 @@ def test_engine_is_started_once_and_calls_leave_no_state(shared):
     for _ in range(2):
         shared.generate(prompts_of([3, 4]), SamplingParams(n=2, max_new_tokens=3))
     assert shared.engine._manager is manager
-    assert not shared.engine._pending and len(shared.engine._ledger) == 0 and not shared.engine._calls
+    assert not shared.engine._requests.pending and len(shared.engine._requests.ledger) == 0 and not shared.engine._calls
 
 
 def test_worker_from_a_checkpoint_directory_loads_model_and_tokenizer(tiny_path):
@@ -341,7 +341,7 @@ def test_a_timeout_raises_with_progress_and_leaves_nothing_running(shared):
     params = SamplingParams(n=4, max_new_tokens=400, ignore_eos=True)
     with pytest.raises(TimeoutError, match=r"generate timed out after 0.05s with \d+/16 rows done"):
         shared.generate(prompts_of([20, 30, 40, 50], seed=21), params, timeout=0.05)
-    assert not shared.engine._pending and not shared.engine._rerun
+    assert not shared.engine._requests.pending and not shared.engine._requests.rerun
     assert len(shared.generate([[3, 4]], SamplingParams(max_new_tokens=2))) == 1
 
 

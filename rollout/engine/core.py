@@ -39,14 +39,15 @@ from . import cuda, sizing
 from .call import Call, Sample
 from .counters import Counters
 from .driver import EpisodeDriver
-from .ledger import Entry, Ledger, split_tops
+from .ledger import Entry, split_tops
 from .recorder import RoutingHole, RoutingRecorder
+from .requests import Requests
 from .sampler import RowSpec
 from .slots import SlotTable
-from .upstream import (CHILD_SEPARATOR, SCHEDULER_NAME, GenerationOutput, Hooks, RequestState, RequestStatus,
-                       RolloutManager, RowSlotArgs, TopReader, install, kv_pages, switch)
 from .streams import stream_key
 from .trace import TurnTrace
+from .upstream import (SCHEDULER_NAME, GenerationOutput, Hooks, RequestState, RequestStatus, RolloutManager,
+                       RowSlotArgs, TopReader, install, kv_pages, switch)
 
 LOG = logging.getLogger("rollout")
 
@@ -77,14 +78,10 @@ class Engine:
         self._cond = threading.Condition()
         self._ids = itertools.count()
         self.num_recomputed = 0  # in-flight requests whose KV a "recompute" switch recomputed
-        self._pending: dict[str, Sample] = {}  # engine request id -> sample
-        self._rerun: list[Sample] = []  # samples whose engine request failed; re-run by the supervisor
-        self._ledger = Ledger(lambda request_id: request_id in self._pending)
+        self._requests = Requests()  # what is in flight: pending samples, re-runs, the ledger, prompt counts
         self._calls: list[Call] = []  # submitted and not settled yet
         self._updating = False
         self._closed = False
-        self.num_prompt_tokens = 0  # every engine request's prompt tokens, and those served by the prefix cache
-        self.num_reused_tokens = 0
         self.counters = Counters()  # the rest of what metrics() reports; kept across restarts and sleeps
         self._driver = EpisodeDriver(self._cond, self.counters, config.env_threads, self._submit,
                                      lambda: self.version)
@@ -109,7 +106,7 @@ class Engine:
             scheduler_type=SCHEDULER_NAME, return_logprobs=True, auto_switch_to_flash=False,
             max_blocks_per_request=sizing.block_table_width(self.model, self.config, blocks))
         table = SlotTable(self.model.device, SLOTS_PER_BATCH_ROW * self.config.max_requests_per_batch, self._row_spec,
-                          lambda request_id: request_id in self._pending)
+                          self._requests.is_pending)
         hooks = Hooks(on_output=self._on_output, on_sampled=self._record, on_prefix_hit=self._on_prefix_hit,
                       on_split=self._on_split, on_schedule=self.counters.kv_step, on_preempt=self._on_preempt,
                       on_step=self._trace_step)
@@ -137,6 +134,11 @@ class Engine:
         if self._recorder is not None:
             self._recorder.remove()
             self._recorder = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Every engine request's prompt tokens so far (a re-run or an episode's next turn counts again)."""
+        return self._requests.prompt_tokens
 
     def is_alive(self) -> bool:
         """The engine thread runs and has not failed (False while asleep: there is no thread)."""
@@ -199,24 +201,22 @@ class Engine:
         error = old.background_thread_status.fatal_error
         LOG.warning("rollout: the engine thread died (%s); rebuilding the engine and re-running its %d requests "
                     "(restart %d)", "no error recorded" if error is None else f"{type(error).__name__}: {error}",
-                    len(self._pending), self.num_restarts + 1)
+                    len(self._requests.pending), self.num_restarts + 1)
         with contextlib.suppress(Exception):
             old.stop(block=True, timeout=30)
         self.num_restarts += 1
         self._manager = self._build_manager()
-        self._rerun.extend(self._pending.values())
-        self._pending.clear()
-        self._ledger.clear()
+        self._requests.lost()
 
     # ------------------------------------------------------------------ engine-thread callbacks
     def _row_spec(self, request_id: str) -> RowSpec:
-        spec = self._ledger.specs.get(request_id)
+        spec = self._requests.ledger.specs.get(request_id)
         if spec is None:  # a forked child: inherits its parent's params, with its own stream key
-            sample = self._pending.get(request_id)
+            sample = self._requests.pending.get(request_id)
             if sample is None:  # abandoned (aborted, timed out) while the engine forks it: output is dropped
                 return RowSpec(SamplingParams(temperature=0.0))
             spec = self._make_row_spec(sample)
-            self._ledger.specs[request_id] = spec
+            self._requests.ledger.specs[request_id] = spec
         return spec
 
     def _make_row_spec(self, sample: Sample) -> RowSpec:
@@ -230,7 +230,7 @@ class Engine:
 
     def _record(self, request_ids: list[str], values: list[float], top: TopReader) -> None:
         # the version changes only inside a pause of the loop, so it is the one whose weights ran this step
-        self._ledger.record(request_ids, values, self.version, top)
+        self._requests.ledger.record(request_ids, values, self.version, top)
         self.counters.sampled(len(request_ids))
         trace = self.trace
         if trace is not None:
@@ -245,8 +245,7 @@ class Engine:
         if output.error is None and output.status != RequestStatus.FINISHED and self._on_progress(output):
             return
         with self._cond:
-            sample = self._pending.pop(output.request_id, None)
-            entry = self._ledger.pop(output.request_id)
+            sample, entry = self._requests.take(output.request_id)
             if sample is None:  # cancelled by an abort fence, or already re-run
                 if self._recorder is not None:
                     self._recorder.drop(output.request_id)
@@ -259,18 +258,19 @@ class Engine:
                     self._turn_done(sample, output, entry, routing)
             else:
                 sample.error = output.error or error or f"request ended with status {output.status!r}"
-                self._rerun.append(sample)
+                self._requests.rerun.append(sample)
             self._cond.notify_all()
 
     def _on_progress(self, output: GenerationOutput) -> bool:
         """A streamed request's tokens so far (engine thread, after each of its steps): handed to its call's
         `on_tokens`. False when the output is not a streamed one's progress (it is then handled as an output)."""
         with self._cond:
-            sample = self._pending.get(output.request_id)
+            sample = self._requests.pending.get(output.request_id)
             if sample is None or sample.call.on_tokens is None:
                 return sample is None  # a cancelled request's last progress is dropped
-            versions = list(self._ledger.versions.get(output.request_id, ()))
-            tops = list(self._ledger.tops.get(output.request_id, ())) if sample.params.top_logprobs else None
+            ledger = self._requests.ledger
+            versions = list(ledger.versions.get(output.request_id, ()))
+            tops = list(ledger.tops.get(output.request_id, ())) if sample.params.top_logprobs else None
         tokens, logprobs = output.generated_tokens, output.logprobs
         count = min(len(tokens), len(logprobs), len(versions), len(versions) if tops is None else len(tops))
         sample.call.on_tokens(sample, tokens[:count], logprobs[:count], versions[:count],
@@ -316,10 +316,7 @@ class Engine:
 
     def _on_prefix_hit(self, request_id: str, num_tokens: int) -> None:
         with self._cond:
-            self.num_reused_tokens += num_tokens
-            sample = self._pending.get(request_id)
-            if sample is not None:
-                sample.reused_tokens += num_tokens
+            self._requests.prefix_hit(request_id, num_tokens)
 
     def _on_preempt(self, request_ids: list[str]) -> None:
         """Requests soft reset under KV pressure (engine thread): counted, and their routing re-recorded at their
@@ -330,10 +327,7 @@ class Engine:
 
     def _on_split(self, request_id: str, num_tokens: int) -> None:
         with self._cond:
-            self.num_prompt_tokens += num_tokens
-            sample = self._pending.get(request_id)
-            if sample is not None:
-                sample.prompt_tokens += num_tokens
+            self._requests.split(request_id, num_tokens)
 
     # ------------------------------------------------------------------ submission and waiting
     def submit(self, samples_by_prompt: list[list[Sample]], call: Call) -> None:
@@ -353,7 +347,7 @@ class Engine:
         """Cancel what is left of a call (nothing of it keeps running) and settle it."""
         with self._cond:
             if not call.cancelled and not call.is_over():
-                call.discarded_tokens = self._sampled_tokens(call, self._requests_of(call))
+                call.discarded_tokens = self._requests.sampled_tokens(call, self._requests.of_call(call))
             call.cancelled = True
             self._release(call)
             self._cond.notify_all()
@@ -362,7 +356,7 @@ class Engine:
         """Heal engine deaths and failed requests, and settle calls that are over, whether or not anyone waits."""
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._closed or bool(self._rerun) or any(c.is_over() for c in
+                self._cond.wait_for(lambda: self._closed or bool(self._requests.rerun) or any(c.is_over() for c in
                                                                                        self._calls), timeout=0.05)
                 if self._closed:
                     return
@@ -387,14 +381,7 @@ class Engine:
         the lock held). `ready`: when an episode's observation came back (traced, with a trace set)."""
         head = group[0]
         request_id = f"r{next(self._ids)}"
-        for i, sample in enumerate(group):
-            sample.version = self.version
-            sample.attempts += 1
-            self._pending[request_id if i == 0 else f"{request_id}{CHILD_SEPARATOR}{i - 1}"] = sample
-        self._ledger.specs[request_id] = self._make_row_spec(head)
-        context = head.context()
-        self.num_prompt_tokens += len(context)
-        head.prompt_tokens += len(context)
+        context = self._requests.add(request_id, group, self._make_row_spec(head), self.version)
         state = RequestState(request_id=request_id, initial_tokens=list(context), num_children=len(group) - 1,
                              max_new_tokens=head.budget(), eos_token_id=list(head.stop_ids),
                              streaming=head.call.on_tokens is not None)  # upstream delivers every step's progress
@@ -408,12 +395,11 @@ class Engine:
             if self._manager is None:  # asleep or closed: nothing in flight
                 return
             dead = not self.is_alive()
-            if not dead and not self._rerun:
+            if not dead and not self._requests.rerun:
                 return
             if dead:
                 self._restart()
-            rerun, self._rerun = self._rerun, []
-            for sample in rerun:
+            for sample in self._requests.take_rerun():
                 if sample.row is not None:
                     continue
                 if sample.attempts > self.config.max_retries:
@@ -427,34 +413,12 @@ class Engine:
         """Cancel whatever of the call is still in the engine and release all it held there: pending re-runs,
         environment steps' outcomes (its episodes' environments are closed) and per-request bookkeeping (lock
         held)."""
-        self._rerun = [s for s in self._rerun if s.call is not call]
         for sample in call.samples:
             self._driver.abandon(sample)
-        cancelled = self._requests_of(call)
-        for request_id in cancelled:
-            self._pending.pop(request_id)
+        for request_id in self._requests.release(call):
             self._manager.cancel_request(request_id)
             if self._recorder is not None:
                 self._recorder.drop(request_id)
-        self._ledger.drop(cancelled)
-
-    def _requests_of(self, call: Call) -> list[str]:
-        return [request_id for request_id, sample in self._pending.items() if sample.call is call]
-
-    def _sampled_tokens(self, call: Call, request_ids: list[str]) -> int:
-        """Model tokens sampled so far for the samples of `call` whose group is not complete: finished rows, earlier
-        turns of episodes, and what its live engine requests sampled (lock held)."""
-        complete = set(call.completed)
-        total = sum(len(self._ledger.sampling.get(request_id, ())) for request_id in request_ids)
-        for sample in call.samples:
-            if sample.prompt_index in complete:
-                continue
-            if sample.row is not None:
-                total += sum(sum(row.action_mask) if row.action_mask is not None else len(row.completion_ids)
-                             for row in sample.rows())
-            elif sample.episode is not None:
-                total += sum(sum(seg.action_mask) for seg in sample.episode.segments)
-        return total
 
     # ------------------------------------------------------------------ weight-change fence
     @contextlib.contextmanager
@@ -491,7 +455,7 @@ class Engine:
                     switch.forget_prefix_cache(self._manager)
                     if self._recorder is not None:
                         with self._cond:
-                            self._recorder.forget(set(self._pending))
+                            self._recorder.forget(set(self._requests.pending))
                             if mode == "recompute":  # every request in flight is prefilled again
                                 self._recorder.soft_reset(list(self._recorder.buffers))
             if invalidate:  # a weight change (read-only uses, e.g. scoring, are not counted)
@@ -501,7 +465,7 @@ class Engine:
         finally:
             with self._cond:
                 self._updating = False
-                self._rerun.extend(aborted)
+                self._requests.rerun.extend(aborted)
                 for sample in aborted:
                     sample.attempts -= 1  # an abort is not a failure
                 self._cond.notify_all()
@@ -517,18 +481,16 @@ class Engine:
 
     def _drain(self) -> None:
         with self._cond:
-            while not self._cond.wait_for(lambda: not self._pending and not self._rerun and not self._driver.stepping,
+            while not self._cond.wait_for(lambda: self._requests.idle() and not self._driver.stepping,
                                           timeout=0.05):
                 pass
 
     def _abort_in_flight(self) -> list[Sample]:
         with self._cond:
-            aborted = list(self._pending.values()) + self._rerun + self._driver.abort()
-            for request_id in self._pending:
+            request_ids, aborted = self._requests.take_all()
+            aborted += self._driver.abort()
+            for request_id in request_ids:
                 self._manager.cancel_request(request_id)
-            self._ledger.drop(self._pending)
-            self._pending.clear()
-            self._rerun = []
             aborted = [s for s in aborted if s.row is None]
             for sample in aborted:
                 sample.error = "aborted by a weight update"
@@ -543,7 +505,8 @@ class Engine:
         episodes in an environment step, KV pages (total, used, cached; all 0 while asleep)."""
         with self._cond:
             counters, manager = self.counters.copy(), self._manager
-            now = dict(prompt_tokens=self.num_prompt_tokens, prefix_cache_reused_tokens=self.num_reused_tokens,
+            now = dict(prompt_tokens=self._requests.prompt_tokens,
+                       prefix_cache_reused_tokens=self._requests.reused_tokens,
                        engine_restarts=self.num_restarts, aborted_samples=self.num_aborted,
                        recomputed_requests=self.num_recomputed, policy_version=self.version,
                        sleeping=int(self.is_sleeping), episodes_in_env_step=len(self._driver.stepping),
