@@ -63,6 +63,8 @@ Public but internal (no underscore, same risk):
   (upstream re-hashes a held block whose hash is missing, from its tokens alone; hashes are 64-bit blake2b).
 - `scheduler.active_requests`, `finish_request`, `add_waiting_request`, `RequestState.create_equivalent_initial_request`
   (switch.py): the soft reset a "recompute" switch applies to every request in flight.
+- `RequestState._true_initial_tokens` (penalties.py `history`): a soft-reset request's prompt length (0 if never
+  reset), so the penalties of a preempted request are counted again over its own completion, not its folded prompt.
 - `OffloadingManager.offload_requests` (preemption.py wraps it), `FIFOScheduler.schedule_batch` (scheduler.py wraps
   it), the cache's `pool.free_sectors` / `count_free_blocks`, the ledgers' `cached_blocks`, `num_blocks`,
   `num_sectors`, `bytes_per_sector` / `bytes_per_block`, `scheduler.waiting_requests`, `RequestState.logprobs`
@@ -103,13 +105,14 @@ from transformers.generation.continuous_batching.utils import attn_mask_is_neede
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
 from rollout.engine import plan as plan_mod
 from rollout.engine.attention import NAME
+from rollout.engine.penalties import history
 from rollout.engine.runner import OUTPUT_ROWS, RolloutModelRunner
 from rollout.engine.scheduler import RolloutScheduler
 
 # the private names above, as the completeness check finds them in rollout/engine/
 HOOKS = {"_forward_process_and_sample", "_schedule_request", "_create_batch_processor", "_run_generation_loop",
          "_generation_step", "_generation_thread", "_wake_up_loop", "_attn_implementation", "_kv_token_views",
-         "_scaled_dot_product_flash_attention_for_cpu", "_infer_request_tokens", "_status"}
+         "_scaled_dot_product_flash_attention_for_cpu", "_infer_request_tokens", "_status", "_true_initial_tokens"}
 ENGINE = Path(__file__).resolve().parents[1] / "rollout" / "engine"
 
 
@@ -418,6 +421,11 @@ def test_a_soft_reset_folds_the_generated_tokens_into_the_prompt_and_keeps_id_an
     assert fresh.logprobs == [-0.5, -0.25] and fresh.status == RequestStatus.PENDING
     out = fresh.to_generation_output()
     assert out.prompt_ids == [5, 6, 7] and out.generated_tokens == [8, 9]
+    # penalties.history reads a soft-reset request's prompt and completion back the same way
+    assert fresh._true_initial_tokens == 3 and state._true_initial_tokens == 0
+    fresh.generated_tokens = [4]
+    assert history(fresh) == ([5, 6, 7], [8, 9, 4]) and history(fresh.create_equivalent_initial_request()) == (
+        [5, 6, 7], [8, 9, 4])
     assert "_status" in vars(state)  # the field a soft reset sets directly, as upstream's preemption does
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
     assert ContinuousBatchingConfig().cpu_offload_space == 0  # no CPU swap pool: nothing restores old-weight KV
