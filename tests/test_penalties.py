@@ -161,10 +161,14 @@ def test_draws_follow_the_adjusted_distribution():
     assert expected[4] == 0 and freq[expected == 0].sum() == 0  # min_p removed a token: never drawn
     assert torch.allclose(drawn.sampling_logprobs.double(), expected.log()[drawn.tokens], atol=1e-5)
     assert torch.allclose(drawn.logprobs, torch.log_softmax(raw / 0.8, -1)[drawn.tokens], atol=1e-6)
-    table.count(rows, drawn.tokens)  # counted on the device, into the one table row all these rows share
-    initial = torch.bincount(torch.tensor([0, 0, 1]), minlength=vocab).float()
-    counted = initial + torch.bincount(drawn.tokens, minlength=vocab).float()
-    assert torch.equal(table.adjust.counts[int(rows.adjust.rows[0])], counted)
+    table.count(replace(rows, adjust=replace(rows.adjust, rows=rows.adjust.rows[:1], active=rows.adjust.active[:1],
+                                             frequency=rows.adjust.frequency[:1], presence=rows.adjust.presence[:1])),
+                drawn.tokens[:1])  # counted on the device: the row's completion is now [0, 0, 1, token]
+    token, row = int(drawn.tokens[0]), int(rows.adjust.rows[0])
+    counts = torch.bincount(torch.tensor([0, 0, 1, token]), minlength=vocab).float()
+    assert torch.allclose(table.adjust.penalty[row], -(0.4 * counts + 0.3 * (counts > 0)))
+    assert torch.equal(table.adjust.generated[row], counts > 0)
+    assert table.adjust.seen[row].tolist() == [c > 0 or t in (3, 4) for t, c in enumerate(counts.tolist())]
 
 
 def fake_state(request_id: str, prompt: list[int], completion: list[int]):

@@ -15,8 +15,9 @@ One request, hop by hop, from `RolloutWorker.generate` to its row:
    memory plan for it; `cuda.py` picks what a CUDA device turns on: flash, the decode fast path, CUDA graphs).
 4. sample (`runner.py`: the step's inputs carry each row's slot in a device table of per-request parameters,
    `slots.py`; `RolloutModelRunner._forward_process_and_sample` -> `sampler.py`, `sample_rows`): per-row
-   temperature / top-k / top-p and both logprobs from the one set of logits, on the device, written into the step's
-   output tensor and read back with the tokens.
+   penalties / logit bias / min_new_tokens (`penalties.py`, rows counted on the device), temperature / min-p /
+   top-k / top-p and both logprobs from the one set of logits, on the device, written into the step's output tensor
+   and read back with the tokens.
 5. deliver (`router.py`, `RolloutRouter` -> `Engine._on_output`): each finished request becomes a `Row`, exactly
    once, on the sample that asked for it.
 6. heal (`core.py`, `Engine._heal`): if the engine thread died or a request failed, the manager is rebuilt and

@@ -1,6 +1,6 @@
 """Per-row logit adjustments: `logit_bias`, `min_new_tokens`, and the repetition, frequency and presence penalties.
 
-What a row that asks for them samples from (vLLM's order; a row that asks for none is never touched):
+What a row that asks for them samples from (vLLM's order; a row that asks for none is never changed):
 1. `logit_bias`: its bias added to each listed token's logit;
 2. `min_new_tokens`: its stop ids at -inf until it has generated that many tokens;
 3. `repetition_penalty` r (HF / vLLM): every token of its prompt or of its completion so far has its logit divided by
@@ -10,11 +10,12 @@ What a row that asks for them samples from (vLLM's order; a row that asks for no
 Then temperature, `min_p`, top-k and top-p (sampler.py). `logprobs` stay those of the raw logits: adjustments change
 what is sampled and `sampling_logprobs`, never `logprobs`.
 
-`AdjustTable` holds, on the device, one dense row of vocabulary size per request that asks: its completion's token
-counts (float32), which tokens its prompt holds (bool), its bias (float32) and its stop ids (bool): 10 bytes x vocab
-per such request, allocated only once some request asks and grown by doubling. Row 0 is all zeros, for the rows of a
-step that ask for nothing. A row is written from the request's own tokens when it gets a slot (`write`), then
-counted on the device after every step that samples for it (`count`): no per-step host work, nothing read back.
+`AdjustTable` holds, on the device, one dense row of vocabulary size per request that asks: its bias (float32), its
+penalty so far, -(f x count + p x (count > 0)) (float32), which tokens its completion holds (bool), which its prompt
+or completion holds (bool, what the repetition penalty reads) and its stop ids (bool): 11 bytes x vocab per such
+request, allocated only once some request asks and grown by doubling. Row 0 is all zeros, for the rows of a step that
+ask for nothing. A row is written from the request's own tokens when it gets a slot (`write`), then updated on the
+device after every step that samples for it (`count`): no per-step host work, nothing read back.
 """
 
 from __future__ import annotations
@@ -26,10 +27,24 @@ import torch
 
 from ..base.params import SamplingParams
 
+# the tables of an AdjustTable: name -> dtype
+TABLES = {"bias": torch.float32, "penalty": torch.float32, "generated": torch.bool, "seen": torch.bool,
+          "stops": torch.bool}
+# the parts of the pass (bits of sampler.Passes.adjust): a step runs only those some row of it asks for
+BIAS, STOPS, REPEAT, PENALIZE = 1, 2, 4, 8
+ALL_PARTS = BIAS | STOPS | REPEAT | PENALIZE
+
+
+def parts(params: SamplingParams) -> int:
+    """The parts of the adjust pass a request needs (0: none)."""
+    return ((BIAS if params.logit_bias else 0) | (STOPS if params.min_new_tokens else 0)
+            | (REPEAT if params.repetition_penalty != 1.0 else 0)
+            | (PENALIZE if params.frequency_penalty or params.presence_penalty else 0))
+
 
 @dataclass(frozen=True)
 class Adjust:
-    """A step's adjustments, device tensors: per row [N] and per row and token [N, V]."""
+    """A step's adjustments: per row [N] device tensors, and the table their rows index."""
 
     active: torch.Tensor  # bool [N]: the row asks for some adjustment
     frequency: torch.Tensor  # float32 [N]
@@ -37,23 +52,30 @@ class Adjust:
     repetition: torch.Tensor  # float32 [N]; 1.0: none
     min_position: torch.Tensor  # int64 [N]: stops are masked while the row samples at a position below it
     rows: torch.Tensor  # int64 [N]: the row of the AdjustTable (0: none)
-    counts: torch.Tensor  # float32 [N, V]: occurrences of each token in the row's completion so far
-    prompt: torch.Tensor  # bool [N, V]: the token is in the row's prompt
-    bias: torch.Tensor  # float32 [N, V]
-    stops: torch.Tensor  # bool [N, V]: the row's stop ids
+    table: "AdjustTable"
 
 
-def adjust_logits(logits: torch.Tensor, adjust: Adjust, positions: torch.Tensor) -> torch.Tensor:
-    """The logits (N, V) a row's adjustments turn its raw logits into; rows that ask for none keep theirs bit for bit.
-    `positions` (N,): the position each row samples at."""
-    x = logits + adjust.bias
-    early = (positions < adjust.min_position)[:, None]
-    x = x.masked_fill(adjust.stops & early, float("-inf"))
-    seen = adjust.counts > 0
-    r = torch.where(adjust.prompt | seen, adjust.repetition[:, None], 1.0)
-    x = torch.where(x > 0, x / r, x * r)
-    x = x - adjust.frequency[:, None] * adjust.counts - adjust.presence[:, None] * seen
-    return torch.where(adjust.active[:, None], x, logits)
+def adjust_logits(logits: torch.Tensor, adjust: Adjust, positions: torch.Tensor, needed: int = ALL_PARTS
+                  ) -> torch.Tensor:
+    """The logits (N, V) a row's adjustments turn its raw logits into, in a new tensor; `needed`: the parts some row
+    asks for (the others are skipped). A row that asks for none reads table row 0 (all zeros) and neutral parameters,
+    so every step below leaves its logits as they are, bit for bit. `positions` (N,): the position each row samples
+    at. At most two fresh (N, V) float buffers, the rest in place: on CPU each fresh one costs a page-faulting pass
+    over the vocabulary."""
+    table, rows = adjust.table, adjust.rows
+    x = torch.index_select(table.bias, 0, rows).add_(logits) if needed & BIAS else logits.clone()
+    if needed & STOPS:
+        early = (positions < adjust.min_position)[:, None]
+        x.masked_fill_(table.stops.index_select(0, rows).logical_and_(early), float("-inf"))
+    spare = None
+    if needed & REPEAT:  # logit / r if positive, x r (as / (1 / r), within an ulp) otherwise; 1 where unseen
+        r = adjust.repetition[:, None]
+        spare = torch.gt(x, 0, out=torch.empty_like(x)).mul_(r - 1.0 / r).add_(1.0 / r)  # r or 1 / r
+        x.div_(spare.masked_fill_(table.seen.index_select(0, rows).logical_not_(), 1.0))
+    if needed & PENALIZE:
+        x.add_(torch.index_select(table.penalty, 0, rows, out=spare) if spare is not None else
+               table.penalty.index_select(0, rows))
+    return x
 
 
 def history(state) -> tuple[list[int], list[int]]:
@@ -68,16 +90,18 @@ def history(state) -> tuple[list[int], list[int]]:
 class AdjustTable:
     """Dense per-request adjustment rows on the device (see the module docstring)."""
 
+    bias: torch.Tensor
+    penalty: torch.Tensor
+    generated: torch.Tensor
+    seen: torch.Tensor
+    stops: torch.Tensor
+
     def __init__(self, device: torch.device, vocab_size: int) -> None:
         self.device, self.vocab_size = device, vocab_size
         self.stream = None  # the engine's compute stream, when it has one: writes are ordered after earlier steps
-        self.counts = self.prompt = self.bias = self.stops = None  # allocated by the first request that asks
+        self.capacity = 0  # the tables are allocated by the first request that asks
         self._free: list[int] = []
         self._retired: list[torch.Tensor] = []
-
-    @property
-    def capacity(self) -> int:
-        return 0 if self.counts is None else self.counts.shape[0]
 
     def write(self, params: SamplingParams, stop_ids: tuple[int, ...], prompt: list[int],
               completion: list[int]) -> tuple[int, bool]:
@@ -94,42 +118,47 @@ class AdjustTable:
         if row:
             self._free.append(row)
 
-    def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(counts, prompt, bias, stops) of each row, [N, V] each."""
-        return tuple(t.index_select(0, rows) for t in (self.counts, self.prompt, self.bias, self.stops))
-
-    def count(self, rows: torch.Tensor, tokens: torch.Tensor, active: torch.Tensor) -> None:
-        """Count each active row's sampled token (device work only; rows that ask for nothing add 0 to row 0)."""
-        self.counts.index_put_((rows, tokens), active.to(self.counts.dtype), accumulate=True)
+    def count(self, adjust: Adjust, tokens: torch.Tensor) -> None:
+        """Each active row's sampled token joins its completion (device work only, N elements; rows that ask for
+        nothing change nothing: row 0 stays zeros)."""
+        rows, active = adjust.rows, adjust.active
+        first = self.generated[rows, tokens].logical_not_()
+        step = (adjust.frequency + adjust.presence * first) * active
+        self.penalty.index_put_((rows, tokens), -step, accumulate=True)
+        self.generated.index_put_((rows, tokens), self.generated[rows, tokens] | active)
+        self.seen.index_put_((rows, tokens), self.seen[rows, tokens] | active)
 
     def _fill(self, row: int, params: SamplingParams, stop_ids, prompt: list[int], completion: list[int]) -> None:
-        for table in (self.counts, self.prompt, self.bias, self.stops):
-            table[row].zero_()
+        for name in TABLES:
+            getattr(self, name)[row].zero_()
         if completion:
             ids = torch.tensor(completion, dtype=torch.int64).to(self.device)
-            self.counts[row].index_put_((ids,), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
-        if params.repetition_penalty != 1.0:
-            self.prompt[row, torch.tensor(prompt, dtype=torch.int64).to(self.device)] = True
+            counts = torch.zeros(self.vocab_size, device=self.device).index_add_(0, ids, torch.ones_like(
+                ids, dtype=torch.float32))
+            present = counts > 0
+            self.penalty[row] = -(params.frequency_penalty * counts + params.presence_penalty * present)
+            self.generated[row], self.seen[row] = present, present
+        if prompt:
+            self.seen[row, torch.tensor(prompt, dtype=torch.int64).to(self.device)] = True
         if params.logit_bias:
             ids, values = zip(*params.logit_bias)
-            self.bias[row, torch.tensor(ids).to(self.device)] = torch.tensor(values).to(self.device)
+            values = torch.tensor(values, dtype=torch.float32)  # JSON's integer biases too
+            self.bias[row, torch.tensor(ids).to(self.device)] = values.to(self.device)
         if params.min_new_tokens and stop_ids:
             self.stops[row, torch.tensor(stop_ids, dtype=torch.int64).to(self.device)] = True
 
     def _grow(self) -> None:
-        old = self.capacity
-        new = max(2 * old, 8)
+        old, new = self.capacity, max(2 * self.capacity, 8)
         with self._on_stream():
-            tables = []
-            for table, dtype in ((self.counts, torch.float32), (self.prompt, torch.bool), (self.bias, torch.float32),
-                                 (self.stops, torch.bool)):
+            for name, dtype in TABLES.items():
                 grown = torch.zeros((new, self.vocab_size), dtype=dtype, device=self.device)
-                if table is not None:
+                if old:
+                    table = getattr(self, name)
                     grown[:old].copy_(table)
                     if self.stream is not None:  # a step still running on another stream may read it
                         self._retired.append(table)
-                tables.append(grown)
-        self.counts, self.prompt, self.bias, self.stops = tables
+                setattr(self, name, grown)
+        self.capacity = new
         self._free += list(range(new - 1, max(old, 1) - 1, -1))
 
     def _on_stream(self):

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from ..base.params import MAX_TOP_LOGPROBS, SamplingParams
-from .penalties import Adjust, adjust_logits
+from .penalties import ALL_PARTS, Adjust, adjust_logits, parts
 from .streams import uniforms
 
 
@@ -48,7 +48,7 @@ class RowSpec:
         sampled = not p.is_greedy
         return Passes(scale=sampled and p.temperature != 1, argmax=p.is_greedy,
                       truncate=sampled and (p.top_k > 0 or p.top_p < 1.0), top=p.top_logprobs,
-                      adjust=p.adjusts_logits, min_p=sampled and p.min_p > 0)
+                      adjust=parts(p), min_p=sampled and p.min_p > 0)
 
 
 @dataclass(frozen=True)
@@ -84,15 +84,15 @@ class Passes:
     truncate: bool = True  # a row with top-k or top-p
     argmax: bool = True  # a greedy row
     top: int = MAX_TOP_LOGPROBS  # the most top logprobs a row asks for (0: no top-k pass)
-    adjust: bool = True  # a row with penalties, logit_bias or min_new_tokens
+    adjust: int = ALL_PARTS  # the parts of the adjust pass rows ask for (penalties.py: bias, stops, ...); 0: none
     min_p: bool = True  # a sampled row with min_p
 
     def __or__(self, other: "Passes") -> "Passes":
         return Passes(self.scale or other.scale, self.truncate or other.truncate, self.argmax or other.argmax,
-                      max(self.top, other.top), self.adjust or other.adjust, self.min_p or other.min_p)
+                      max(self.top, other.top), self.adjust | other.adjust, self.min_p or other.min_p)
 
 
-ALL, NONE = Passes(), Passes(scale=False, truncate=False, argmax=False, top=0, adjust=False, min_p=False)
+ALL, NONE = Passes(), Passes(scale=False, truncate=False, argmax=False, top=0, adjust=0, min_p=False)
 
 
 class Drawn(NamedTuple):
@@ -146,7 +146,7 @@ def sample_rows(logits: torch.Tensor, rows: SamplingRows, positions: torch.Tenso
         drawn_logprob = kept.gather(1, drawn[:, None]).squeeze(1)
     elif reshaped is not None:  # a row that asks for nothing has target == scaled: kept == full_logprobs, bit for bit
         kept = torch.log_softmax(target, dim=-1)
-        drawn = _draw(torch.exp(kept), u)
+        drawn = _draw(torch.exp(kept, out=target), u)  # target is our own buffer (_target), read for the last time
         drawn_logprob = kept.gather(1, drawn[:, None]).squeeze(1)
     else:
         drawn, drawn_logprob = _draw(torch.exp(full_logprobs, out=spare), u), None
@@ -171,15 +171,18 @@ def _reshaped(rows: SamplingRows, passes: Passes) -> torch.Tensor | None:
 
 
 def _target(logits: torch.Tensor, rows: SamplingRows, positions: torch.Tensor, passes: Passes) -> torch.Tensor:
-    """The scaled logits rows sample from: adjusted (penalties.py), divided by the temperature, then min-p (tokens
-    less likely than min_p x the most likely one at -inf). Rows that ask for neither get `logits / T` bit for bit."""
-    adjusted = logits
+    """The scaled logits rows sample from, in a new tensor: adjusted (penalties.py), divided by the temperature, then
+    min-p (tokens less likely than min_p x the most likely one at -inf). Rows that ask for neither get `logits / T`
+    bit for bit."""
     if passes.adjust and rows.adjust is not None:
-        adjusted = adjust_logits(logits, rows.adjust, positions)
-    target = adjusted / rows.temperature[:, None] if passes.scale else adjusted
+        target = adjust_logits(logits, rows.adjust, positions, passes.adjust)
+        if passes.scale:
+            target.div_(rows.temperature[:, None])
+    else:
+        target = logits / rows.temperature[:, None] if passes.scale else logits.clone()
     if passes.min_p and rows.min_p is not None:  # p < min_p x p_max, as log-probability differences (min_p 0: -inf)
         floor = target.amax(dim=-1, keepdim=True) + torch.log(rows.min_p)[:, None]
-        target = target.masked_fill(target < floor, float("-inf"))
+        target.masked_fill_(target < floor, float("-inf"))
     return target
 
 

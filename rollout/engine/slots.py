@@ -113,14 +113,13 @@ class SlotTable:
     def count(self, rows: SamplingRows, tokens: torch.Tensor) -> None:
         """After a step with the adjust pass: count each adjusting row's sampled token (device work only)."""
         if rows.adjust is not None:
-            self.adjust.count(rows.adjust.rows, tokens, rows.adjust.active)
+            self.adjust.count(rows.adjust, tokens)
 
     def _adjust(self, rows: torch.Tensor) -> Adjust:
         floats, index = rows.view(torch.float64), rows[:, ADJUST_ROW]
-        counts, prompt, bias, stops = self.adjust.gather(index)
         return Adjust(active=index > 0, frequency=floats[:, FREQUENCY].float(), presence=floats[:, PRESENCE].float(),
                       repetition=floats[:, REPETITION].float(), min_position=rows[:, MIN_POSITION], rows=index,
-                      counts=counts, prompt=prompt, bias=bias, stops=stops)
+                      table=self.adjust)
 
     def _assign(self, state) -> int:
         if not self._free:

@@ -1,0 +1,117 @@
+"""What penalties, logit_bias, min_p and min_new_tokens cost a rollout step: the same seeded step with none of them,
+with all of them on every row, and with them on half the rows, interleaved; then the sampler alone on a large vocab.
+
+    python benchmarks/bench_penalties.py              # 25M Llama, 16 prompts x n=8, 64 new tokens, 3 rounds
+    python benchmarks/bench_penalties.py --rounds 1   # a smoke run
+
+A step where no row asks skips the adjust pass; one where some row does gathers every row's (V,) counts, prompt,
+bias and stop rows from the device table, applies them, and counts the sampled tokens back (penalties.py). Rows that
+ask for nothing keep their tokens (checked here: the plain half of the mixed run equals the plain run). Reports
+tokens/s per configuration (best of the rounds) and the ratio to the plain one, then `sample_rows` per 128-row step
+on random logits of the model's vocabulary and of a 152k one (Qwen's), with and without the pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from types import SimpleNamespace
+
+import torch
+
+from rollout import RolloutWorker, SamplingParams, WorkerConfig
+from rollout.engine.sampler import RowSpec, sample_rows
+from rollout.engine.slots import SlotTable
+from rollout.engine.streams import stream_key
+from rollout.testing import build_tiny_model
+
+from clock import RunClock  # benchmarks/clock.py: wall time less SIGSTOP pauses
+
+CLOCK = RunClock()
+ADJUSTED = dict(frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.2, min_p=0.02, min_new_tokens=4,
+                logit_bias={11: 2.0, 12: -5.0})
+
+
+def params_for(name: str, n: int, tokens: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt slot pattern: 'plain', 'all' (every row adjusted), 'half' (every other prompt)."""
+    base = dict(n=n, max_new_tokens=tokens, ignore_eos=True, seed=1)
+    plain, adjusted = SamplingParams(**base), SamplingParams(**base, **ADJUSTED)
+    return [{"plain": plain, "all": adjusted, "half": (plain, adjusted)[i % 2]}[name] for i in range(2)]
+
+
+def rollout_rates(args) -> dict[str, float]:
+    path = build_tiny_model(f"{tempfile.gettempdir()}/rollout-bench-{args.size}", size=args.size)
+    names = ["plain", "all", "half"]
+    best: dict[str, float] = {}
+    tokens: dict[str, list] = {}
+    with RolloutWorker(path, WorkerConfig(seed=0)) as worker:
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(10, worker.vocab_size, (32,), generator=gen).tolist() for _ in range(args.prompts)]
+        worker.generate(prompts[:2], SamplingParams(n=2, max_new_tokens=4, **ADJUSTED))  # warm-up
+        for _ in range(args.rounds):
+            for name in names:
+                pair = params_for(name, args.n, args.tokens)
+                params = [pair[i % 2] for i in range(args.prompts)]
+                start = CLOCK.now()
+                batch = worker.generate(prompts, params)
+                best[name] = max(best.get(name, 0.0), batch.num_tokens / (CLOCK.now() - start))
+                tokens.setdefault(name, batch.completion_token_lists())
+        plain_rows = [r for r in range(len(tokens["plain"])) if (r // args.n) % 2 == 0]
+        assert [tokens["half"][r] for r in plain_rows] == [tokens["plain"][r] for r in plain_rows], \
+            "the adjusted rows changed a plain row's tokens"
+        vocab = worker.vocab_size
+    load = os.getloadavg()
+    print(f"# penalties cost: {args.size} model, fp32, CPU ({torch.get_num_threads()} threads), vocab {vocab}, "
+          f"{args.prompts} prompts x n={args.n} x {args.tokens} tokens (ignore_eos, seeded), best of {args.rounds} "
+          f"interleaved rounds; load average {load[0]:.2f}; adjusted rows: {ADJUSTED}")
+    for name in names:
+        print(f"{name:<6} {best[name]:8.1f} tok/s  {best[name] / best['plain']:.3f}x")
+    return {"vocab": vocab, **{f"{k}_tok_s": round(v, 1) for k, v in best.items()}}
+
+
+def sampler_ms(vocab: int, adjusted: bool, rows: int = 128, calls: int = 10) -> float:
+    """Milliseconds per `sample_rows` call on random (rows, vocab) logits, every row adjusted or none."""
+    params = SamplingParams(temperature=0.9, **(ADJUSTED if adjusted else {}))
+    specs = {f"r{i}": RowSpec(params, stream_key(5, i)) for i in range(rows)}
+    table = SlotTable(torch.device("cpu"), 2 * rows, specs.__getitem__, lambda _: True, vocab_size=vocab)
+    gen = torch.Generator().manual_seed(0)
+    states = [SimpleNamespace(request_id=f"r{i}", initial_tokens=torch.randint(0, vocab, (64,), generator=gen).tolist(),
+                              generated_tokens=torch.randint(0, vocab, (32,), generator=gen).tolist(),
+                              _true_initial_tokens=0) for i in range(rows)]
+    slots = table.slots(states)
+    passes, index = table.passes(slots), torch.tensor(slots)
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    positions = torch.full((rows,), 100)
+    times = []
+    for i in range(calls + 3):
+        start = time.perf_counter()
+        sampling = table.rows(index, passes)
+        drawn = sample_rows(logits, sampling, positions, passes)
+        table.count(sampling, drawn.tokens)
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    return 1000 * min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="25m")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    result = rollout_rates(args)
+    print("# sample_rows per 128-row step (best of 10 after 3 warm-ups), every row adjusted or none")
+    for vocab in (result["vocab"], 151936):
+        plain, adjusted = sampler_ms(vocab, False), sampler_ms(vocab, True)
+        print(f"vocab {vocab:<7} none {plain:7.2f} ms  adjusted {adjusted:7.2f} ms  {adjusted / plain:.2f}x")
+        result[f"sampler_ms_{vocab}"] = [round(plain, 2), round(adjusted, 2)]
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
