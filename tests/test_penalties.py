@@ -234,3 +234,21 @@ def test_logit_bias_is_kept_as_sorted_pairs_and_params_stay_hashable():
     assert p.logit_bias == ((2, -3.0), (9, 1.0)) and p == SamplingParams(logit_bias=[(2, -3.0), (9, 1.0)])
     assert hash(p) == hash(SamplingParams(logit_bias={2: -3.0, 9: 1.0}))
     assert not SamplingParams(logit_bias={}).adjusts_logits and SamplingParams(min_new_tokens=1).adjusts_logits
+
+
+def test_adjust_rows_of_finished_requests_are_reused_before_the_table_grows():
+    p = SamplingParams(frequency_penalty=0.5)
+    live: set[str] = set()
+    table = SlotTable(torch.device("cpu"), 64, lambda _: RowSpec(p), live.__contains__, vocab_size=16)
+
+    def start(names):
+        live.update(names)
+        return table.slots(fake_state(name, [1, 2], []) for name in names)
+
+    start([f"a{i}" for i in range(7)])  # row 0 is the neutral row: 7 requests fill the first 8 rows
+    assert table.adjust.capacity == 8
+    live.clear()  # they finished
+    start([f"b{i}" for i in range(7)])
+    assert table.adjust.capacity == 8  # their rows were taken back, not 8 more allocated
+    start(["c0"])
+    assert table.adjust.capacity == 16  # every row live: the tables double

@@ -106,13 +106,18 @@ class AdjustTable:
     def write(self, params: SamplingParams, stop_ids: tuple[int, ...], prompt: list[int],
               completion: list[int]) -> tuple[int, bool]:
         """A row for one request, written from its tokens. Returns (row, whether the tables were reallocated)."""
-        grown = not self._free
+        grown = self.full
         if grown:
             self._grow()
         row = self._free.pop()
         with self._on_stream():
             self._fill(row, params, stop_ids, prompt, completion)
         return row, grown
+
+    @property
+    def full(self) -> bool:
+        """No free row: the next `write` grows the tables."""
+        return not self._free
 
     def free(self, row: int) -> None:
         if row:

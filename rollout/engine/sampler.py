@@ -15,9 +15,9 @@ what its parameters ask for. Which full-vocabulary passes a step pays for is the
 from the step's parameters on the host: a step with no truncating row skips the sort, one at temperature 1 the
 division, one without greedy rows the argmax, one where no row asks for penalties, bias, min_new_tokens or min_p
 their pass); the passes change the cost, never a row's token (every draw is an inverse CDF in vocabulary order, and
-a row that asks for no adjustment keeps its logits bit for bit). A captured step runs them all. Randomness is counter-based
-(streams.py): a row's uniform is a hash of its key and the position it samples at. No host synchronisation, no
-generator state, nothing shaped by the data: the path can be captured in a CUDA graph.
+a row that asks for no adjustment keeps its logits bit for bit). A captured step runs them all. Randomness is
+counter-based (streams.py): a row's uniform is a hash of its key and the position it samples at. No host
+synchronisation, no generator state, nothing shaped by the data: the path can be captured in a CUDA graph.
 """
 
 from __future__ import annotations

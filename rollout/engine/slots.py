@@ -130,6 +130,8 @@ class SlotTable:
         spec = self.spec_of(state.request_id)
         min_position = adjust_row = 0
         if spec.params.adjusts_logits:
+            if self.adjust.full:  # rows of finished requests first: the table grows only past the live ones
+                self._reclaim()
             prompt, completion = history(state)
             adjust_row, grown = self.adjust.write(spec.params, spec.stop_ids, prompt, completion)
             min_position = len(prompt) - 1 + spec.params.min_new_tokens if spec.params.min_new_tokens else 0
