@@ -130,6 +130,8 @@ def test_chat_template_fields_reach_the_template(served):
     (dict(extra_body={"continue_final_message": True}), "continue_final_message"),  # with a generation prompt
     (dict(extra_body={"skip_special_tokens": "no"}), "skip_special_tokens"),
     (dict(stream=True, stream_options={"include_obfuscation": True}), "stream_options.include_obfuscation"),
+    (dict(messages=None, extra_body={"prompt_token_ids": [5, 6], "chat_template_kwargs": {"enable_thinking": False}}),
+     "chat_template_kwargs"),  # nothing is rendered
 ])
 def test_bad_values_are_400s_naming_the_field(served, kwargs, param):
     worker, client, _ = served

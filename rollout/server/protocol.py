@@ -139,6 +139,11 @@ def parse(kind: str, body: Any, headers: dict[str, str] | None = None,
                           "the completion. Fix: send stream=false")
     stop = _stop(body)
     limits.refuse("stop", len(stop), "max_stop", "stop strings")
+    template = _template(body)
+    if template and messages is None:
+        name = next(n for n in ("chat_template_kwargs", *sorted(TEMPLATE)) if body.get(n) is not None)
+        raise bad_request(name, f"{name} shapes how messages are rendered, and this request sends "
+                          "prompt_token_ids. Fix: send messages, or leave it out")
     return Request(
         kind=kind, model=model, messages=messages, prompts=prompts, n=n,
         temperature=_number(body, "temperature", 1.0, 0.0, math.inf),
@@ -152,7 +157,7 @@ def parse(kind: str, body: Any, headers: dict[str, str] | None = None,
         return_token_ids=_bool(body, "return_token_ids", True),
         tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False), echo=echo, prompt_logprobs=prompt_logprobs,
         adjustments=_adjustments(body), skip_special_tokens=_bool(body, "skip_special_tokens", True),
-        include_stop=_bool(body, "include_stop_str_in_output", False), template=_template(body))
+        include_stop=_bool(body, "include_stop_str_in_output", False), template=template)
 
 
 def messages_of(body: dict) -> list[dict]:
