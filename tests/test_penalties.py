@@ -252,3 +252,26 @@ def test_adjust_rows_of_finished_requests_are_reused_before_the_table_grows():
     assert table.adjust.capacity == 8  # their rows were taken back, not 8 more allocated
     start(["c0"])
     assert table.adjust.capacity == 16  # every row live: the tables double
+
+
+class Echo:
+    """Answers every model turn with the observation [21, 22] and records the turns it saw."""
+
+    def __init__(self, turns: list) -> None:
+        self.turns = turns
+
+    def step(self, completion_ids):
+        from rollout.base.env import Turn
+        self.turns.append(list(completion_ids))
+        return Turn(observation_ids=[21, 22])
+
+
+def test_each_turn_of_an_episode_counts_its_own_tokens(tiny):
+    model, _ = tiny
+    eos = model.config.eos_token_id
+    turns: list[list[int]] = []
+    p = SamplingParams(n=2, max_new_tokens=40, logit_bias={eos: 100.0}, min_new_tokens=3, seed=6)
+    with RolloutWorker(model, ROOMY) as worker:
+        batch = worker.generate([[11, 12, 13]], p, env=lambda i, j: Echo(turns), max_turns=3)
+    assert batch.finish_reason == ["max_turns"] * 2 and len(turns) == 6
+    assert all(len(t) == 4 and t[-1] == eos and eos not in t[:3] for t in turns)  # min_new_tokens per turn
