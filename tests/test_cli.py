@@ -32,7 +32,7 @@ INPUT = [  # blank lines are not records; fields other than the prompt and sampl
     {"id": "b", "prompt_ids": [5, 6, 7, 8], "n": 3, "temperature": 0},
     None,
     {"id": "c", "prompt": "one two three", "max_new_tokens": 3, "seed": 4, "top_logprobs": 2},
-    {"id": "d", "prompt_ids": [40, 41], "top_p": 0.5},
+    {"id": "d", "prompt_ids": [40, 41], "top_p": 0.5, "logit_bias": {"7": 100}},
     {"id": "e", "prompt": "what is the answer", "ignore_eos": True},
 ]
 PAIRS = [{"prompt": "the cat is", "completion": " a red dog", "k": 1},
@@ -121,7 +121,8 @@ def test_demo_forwards_every_argument(monkeypatch):
     ('[1, 2]', None, "expected a JSON object"),
     ('{"id": 1}', "prompt", "exactly one of"),
     ('{"id": 1, "prompt": "x", "max_tokens": 5}', "max_tokens", "use max_new_tokens"),
-    ('{"id": 1, "prompt": "x", "min_p": 0.1}', "min_p", "cannot apply it"),
+    ('{"id": 1, "prompt": "x", "min_p": 1.1}', "min_p", "must be a finite number in [0, 1]"),
+    ('{"id": 1, "prompt": "x", "logit_bias": {"a": 1}}', "logit_bias", "non-negative token id"),
     ('{"id": 1, "prompt_ids": [1, -2]}', "prompt_ids", "non-negative"),
     ('{"id": 1, "prompt": "x", "temperature": "hot"}', "temperature", "finite number"),
     ('{"id": 1, "prompt": "x", "logprobs": []}', "logprobs", "this command writes"),
@@ -418,6 +419,7 @@ def test_generate_writes_one_row_per_line_keeping_its_fields(generated, tiny):
             assert finish == ("stop" if ids[-1] == tokenizer.eos_token_id else "length")
             assert text == tokenizer.decode(ids, skip_special_tokens=True)
     assert rows[1]["completion_ids"][0] == rows[1]["completion_ids"][2]  # greedy line: every sample the same
+    assert all(set(ids) == {7} for ids in rows[3]["completion_ids"])  # its bias; its logprobs stay raw (next test)
     assert rows[0]["completion_ids"][0] != rows[0]["completion_ids"][1]
     assert all(f == "length" and len(ids) == 6 for f, ids in zip(rows[4]["finish_reason"], rows[4]["completion_ids"]))
     assert "generated 5 rows (0 already done)" in proc.stderr and "req" in proc.stderr  # summary and progress bar

@@ -23,10 +23,11 @@ from rollout.base.errors import invalid, preview
     ({"top_p": 1.5}, "top_p=1.5 is invalid"),
     ({"max_new_tokens": 0}, "max_new_tokens=0 is invalid"),
     ({"stop_token_ids": [1, -2]}, "stop_token_ids=-2 is invalid"),
-    ({"seed": -1}, "seed=-1 is invalid"),
-    ({"min_p": 0.05}, "min_p=0.05 is invalid: this engine cannot apply it per request. Fix: leave it at 0.0"),
-    ({"repetition_penalty": 1.1}, "repetition_penalty=1.1 is invalid"),
-    ({"min_new_tokens": 3}, "min_new_tokens=3 is invalid"),
+    ({"seed": 2**63}, "seed=9223372036854775808 is invalid: must be an integer in"),
+    ({"seed": 1.5}, "seed=1.5 is invalid"),
+    ({"min_p": 1.05}, r"min_p=1.05 is invalid: must be a finite number in \[0, 1\]"),
+    ({"repetition_penalty": -1.1}, "repetition_penalty=-1.1 is invalid"),
+    ({"min_new_tokens": -3}, "min_new_tokens=-3 is invalid"),
 ])
 def test_bad_sampling_values_are_value_errors_naming_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):

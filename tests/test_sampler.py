@@ -4,6 +4,7 @@ counter-based random streams behind the draws."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -143,23 +144,28 @@ def test_one_streams_successive_draws_are_uniform():
 def test_the_slot_table_gives_back_each_requests_parameters_and_reuses_slots_of_finished_ones():
     from rollout.engine.slots import SlotTable
 
-    specs = {f"r{i}": RowSpec(SamplingParams(temperature=[0.0, 0.7, 1.3][i % 3], top_k=i, top_p=1 - i / 20),
+    specs = {f"r{i}": RowSpec(SamplingParams(temperature=[0.0, 0.7, 1.3][i % 3], top_k=i, top_p=1 - i / 20,
+                                             min_p=i / 10),
                               stream_key(3, i)) for i in range(5)}
     live, grown = set(specs), []
     table = SlotTable(torch.device("cpu"), 4, specs.__getitem__, live.__contains__)
     table.on_grow = lambda: grown.append(table.capacity)
 
-    def check(ids):
-        got, expected = table.rows(torch.tensor(table.slots(ids), dtype=torch.int32)), SamplingRows.of(
-            [specs[i] for i in ids])
-        for field in ("temperature", "top_k", "top_p", "greedy", "key"):
-            assert torch.equal(getattr(got, field), getattr(expected, field)), field
+    def slots(ids):  # the table reads a request's id off its upstream RequestState
+        return table.slots(SimpleNamespace(request_id=i) for i in ids)
 
-    first = table.slots(["r0", "r1", "r2"])  # 3 usable slots: slot 0 is the default row
-    assert sorted(first) == [1, 2, 3] and table.slots(["r1"]) == [first[1]]  # written once, found again
+    def check(ids):
+        got, expected = table.rows(torch.tensor(slots(ids), dtype=torch.int32)), SamplingRows.of(
+            [specs[i] for i in ids])
+        for field in ("temperature", "top_k", "top_p", "greedy", "key", "min_p"):
+            assert torch.equal(getattr(got, field), getattr(expected, field)), field
+        assert got.adjust is None  # no request asked for penalties: the adjust pass has nothing to gather
+
+    first = slots(["r0", "r1", "r2"])  # 3 usable slots: slot 0 is the default row
+    assert sorted(first) == [1, 2, 3] and slots(["r1"]) == [first[1]]  # written once, found again
     live.discard("r0")  # finished: its slot comes back when the free list runs out
-    assert table.slots(["r3"]) == [first[0]] and grown == []
-    assert table.slots(["r4"]) and grown == [8]  # every slot live: the table doubles
+    assert slots(["r3"]) == [first[0]] and grown == []
+    assert slots(["r4"]) and grown == [8]  # every slot live: the table doubles
     check(["r1", "r2", "r3", "r4"])
     assert table.passes([first[0]]) == specs["r3"].passes
 

@@ -341,7 +341,7 @@ def test_bad_requests_are_openai_errors_and_submit_nothing(served):
     before = worker.engine.num_prompt_tokens
     cases = [
         (dict(temperature=-1), 400, "temperature"),
-        (dict(presence_penalty=0.3), 400, "presence_penalty"),
+        (dict(presence_penalty=3), 400, "presence_penalty"),
         (dict(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
         (dict(top_logprobs=2), 400, "top_logprobs"),  # without logprobs=true
         (dict(n=0), 400, "n"),

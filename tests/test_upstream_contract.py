@@ -85,6 +85,7 @@ from rollout.engine.upstream import HOOKS, install
 from rollout.engine.upstream.attention import NAME
 from rollout.engine.upstream.runner import OUTPUT_ROWS, RolloutModelRunner
 from rollout.engine.upstream.scheduler import RolloutScheduler
+from rollout.engine.upstream.state import history
 
 ENGINE = Path(__file__).resolve().parents[1] / "rollout" / "engine"
 
@@ -431,6 +432,11 @@ def test_a_soft_reset_folds_the_generated_tokens_into_the_prompt_and_keeps_id_an
     assert fresh.logprobs == [-0.5, -0.25] and fresh.status == RequestStatus.PENDING
     out = fresh.to_generation_output()
     assert out.prompt_ids == [5, 6, 7] and out.generated_tokens == [8, 9]
+    # penalties.history reads a soft-reset request's prompt and completion back the same way
+    assert fresh._true_initial_tokens == 3 and state._true_initial_tokens == 0
+    fresh.generated_tokens = [4]
+    assert history(fresh) == ([5, 6, 7], [8, 9, 4]) and history(fresh.create_equivalent_initial_request()) == (
+        [5, 6, 7], [8, 9, 4])
     assert "_status" in vars(state)  # the field a soft reset sets directly, as upstream's preemption does
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
     assert ContinuousBatchingConfig().cpu_offload_space == 0  # no CPU swap pool: nothing restores old-weight KV

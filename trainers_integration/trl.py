@@ -67,7 +67,8 @@ def group_repeats(prompts: list[Any]) -> tuple[list[Any], list[int]]:
 
 
 def trainer_sampling(trainer: Any, n: int) -> SamplingParams:
-    """The trainer's generation settings as SamplingParams (unsupported ones, e.g. repetition_penalty, raise)."""
+    """The trainer's generation settings as SamplingParams (min_p and repetition_penalty included; a value
+    SamplingParams refuses raises, naming it)."""
     eos = getattr(trainer, "eos_token_ids", None)
     return SamplingParams(n=n, temperature=float(trainer.temperature), top_k=int(trainer.top_k or 0),
                           top_p=float(trainer.top_p if trainer.top_p is not None else 1.0),

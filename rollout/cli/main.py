@@ -56,7 +56,7 @@ def build_generate(args: argparse.Namespace, resources: contextlib.ExitStack) ->
     from ..base.params import SamplingParams
 
     _check_paths(args)
-    base = {k: getattr(args, k) for k in records.SAMPLING_FIELDS if getattr(args, k) is not None}
+    base = {k: getattr(args, k, None) for k in records.SAMPLING_FIELDS if getattr(args, k, None) is not None}
     try:
         SamplingParams(**base)
     except ValueError as e:
@@ -213,7 +213,8 @@ def _sigterm_as_interrupt():
 # ---------------------------------------------------------------------------------------------- argparse
 GENERATE_HELP = """\
 Each input line is a JSON object with "prompt" (text) or "prompt_ids" (token ids), and may carry its own
-sampling fields (n, temperature, top_k, top_p, max_new_tokens, stop_token_ids, ignore_eos, seed, top_logprobs)
+sampling fields (n, temperature, top_k, top_p, max_new_tokens, stop_token_ids, ignore_eos, seed, top_logprobs, min_p,
+repetition_penalty, presence_penalty, frequency_penalty, min_new_tokens, logit_bias {"id": bias})
 that override the flags. Every other field is kept. Each output line is the input line plus, one entry per sample:
   completions (text), completion_ids, logprobs (per token, log_softmax(logits / temperature)),
   finish_reason ("stop" or "length"), policy_version, and with top_logprobs K > 0: alternatives (per token, the
@@ -265,6 +266,16 @@ def build_parser() -> argparse.ArgumentParser:
                           help="always generate max_new_tokens")
     sampling.add_argument("--top-logprobs", dest="top_logprobs", type=int, metavar="K",
                           help="also write each token's K most likely alternatives, K <= 20 (default 0)")
+    sampling.add_argument("--min-p", dest="min_p", type=float, metavar="P",
+                          help="drop tokens below P x the most likely one's probability; 0 = off (default)")
+    sampling.add_argument("--repetition-penalty", dest="repetition_penalty", type=float, metavar="R",
+                          help="HF/vLLM: prompt and completion tokens' logits / R (x R if negative); 1 = off (default)")
+    sampling.add_argument("--presence-penalty", dest="presence_penalty", type=float, metavar="P",
+                          help="OpenAI: minus P for tokens already in the completion, in [-2, 2]; 0 = off (default)")
+    sampling.add_argument("--frequency-penalty", dest="frequency_penalty", type=float, metavar="F",
+                          help="OpenAI: minus F x a token's count in the completion, in [-2, 2]; 0 = off (default)")
+    sampling.add_argument("--min-new-tokens", dest="min_new_tokens", type=int, metavar="N",
+                          help="no stop id before N tokens (default 0)")
     sampling.add_argument("--seed", type=int, metavar="SEED", help="line i samples with seed SEED + i: reproducible "
                           "whatever the batch size, resume point or number of workers (default: unseeded)")
     gen.add_argument("--chat-template", action="store_true", help="wrap text prompts (or a list of chat messages "

@@ -12,11 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 from ..base.errors import InvalidArgument, preview
-from ..base.params import UNSUPPORTED, SamplingParams
+from ..base.params import SamplingParams
 from .jsonl import FieldError, Record
 
 SAMPLING_FIELDS = ("n", "temperature", "top_k", "top_p", "max_new_tokens", "stop_token_ids", "ignore_eos", "seed",
-                   "top_logprobs")
+                   "top_logprobs", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                   "min_new_tokens", "logit_bias")
 GENERATE_OUTPUT = ("completions", "completion_ids", "logprobs", "finish_reason", "policy_version")
 ALTERNATIVES = "alternatives"  # lines with top_logprobs > 0: per sample, per token, [[id, logprob], ...]
 SCORE_OUTPUT = ("logprobs", "logprob_sum")
@@ -49,7 +50,10 @@ def check_generate(data: dict, base: dict, chat_template: bool) -> None:
 def sampling_for(data: dict, base: dict, index: int | None) -> SamplingParams:
     """The line's SamplingParams: the flags, overridden by the line's own fields. With --seed S and no `seed` on
     the line, record i samples with seed S + i (reproducible across chunk sizes, resumes and worker counts)."""
-    own = {k: v for k, v in data.items() if k in SAMPLING_FIELDS or k in UNSUPPORTED}
+    own = {k: v for k, v in data.items() if k in SAMPLING_FIELDS}
+    if isinstance(own.get("logit_bias"), dict):  # JSON object keys are strings: {"50256": -100}
+        own["logit_bias"] = {int(k) if isinstance(k, str) and k.isdigit() else k: v
+                             for k, v in own["logit_bias"].items()}
     values = {**base, **own}
     if "seed" in base and "seed" not in own and index is not None:
         values["seed"] = base["seed"] + index

@@ -17,9 +17,10 @@ One request, hop by hop, from `RolloutWorker.generate` to its row:
    picks what a CUDA device turns on: flash, the decode fast path, CUDA graphs).
 4. sample (`upstream/runner.py`: the step's inputs carry each row's slot in a device table of per-request parameters,
    `slots.py`; `RolloutModelRunner._forward_process_and_sample` -> `sampler.py`, `sample_rows`): per-row
-   temperature / top-k / top-p and both logprobs from the one set of logits, on the device, written into the step's
-   output tensor and read back with the tokens; `requests.py` tracks what is in flight, `ledger.py` each request's
-   logprobs and versions.
+   penalties / logit bias / min_new_tokens (`penalties.py`, rows counted on the device), temperature / min-p /
+   top-k / top-p and both logprobs from the one set of logits, on the device, written into the step's output tensor
+   and read back with the tokens; `requests.py` tracks what is in flight, `ledger.py` each request's logprobs and
+   versions.
 5. deliver (`upstream/router.py` -> `Engine._on_output`): each finished request becomes a `Row`, exactly once, on the
    sample that asked for it; an episode's turn goes to its driver (`driver.py`), which runs the environment step off
    the engine thread (`stepper.py`) and submits the next turn.

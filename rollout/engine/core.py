@@ -106,7 +106,9 @@ class Engine:
             scheduler_type=SCHEDULER_NAME, return_logprobs=True, auto_switch_to_flash=False,
             max_blocks_per_request=sizing.block_table_width(self.model, self.config, blocks))
         table = SlotTable(self.model.device, SLOTS_PER_BATCH_ROW * self.config.max_requests_per_batch, self._row_spec,
-                          self._requests.is_pending)
+                          self._requests.is_pending,
+                          vocab_size=self.model.get_output_embeddings().weight.shape[0])
+        self._slots = table
         hooks = Hooks(on_output=self._on_output, on_sampled=self._record, on_prefix_hit=self._on_prefix_hit,
                       on_split=self._on_split, on_schedule=self.counters.kv_step, on_preempt=self._on_preempt,
                       on_step=self._trace_step)
@@ -224,9 +226,9 @@ class Engine:
         prompt index, sample index): the tokens depend on nothing else (batch, timing, preemption, restarts)."""
         seed = sample.params.seed
         if seed is not None:
-            return RowSpec(sample.params, stream_key(SEEDED, seed, sample.sample_index))
+            return RowSpec(sample.params, stream_key(SEEDED, seed, sample.sample_index), sample.stop_ids)
         return RowSpec(sample.params, stream_key(UNSEEDED, self.config.seed, sample.call.index, sample.prompt_index,
-                                                 sample.sample_index))
+                                                 sample.sample_index), sample.stop_ids)
 
     def _record(self, request_ids: list[str], values: list[float], top: TopReader) -> None:
         # the version changes only inside a pause of the loop, so it is the one whose weights ran this step
@@ -322,6 +324,7 @@ class Engine:
         """Requests soft reset under KV pressure (engine thread): counted, and their routing re-recorded at their
         re-prefill."""
         self.counters.preempted(len(request_ids))
+        self._slots.forget(request_ids)
         if self._recorder is not None:
             self._recorder.soft_reset(request_ids)
 

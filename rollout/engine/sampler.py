@@ -4,18 +4,20 @@ Given fp32 logits (N, V) and each row's parameters as device tensors (`SamplingR
 return two logprobs of it:
 - `logprob`: under log_softmax(logits / T) over the full vocabulary (T = 1 for greedy rows): what a trainer's plain
   forward recomputes;
-- `sampling_logprob`: under the distribution actually sampled from (temperature, then top-k, then top-p on the
-  renormalised top-k distribution; greedy rows are a point mass, so 0.0).
+- `sampling_logprob`: under the distribution actually sampled from (the row's logit adjustments, penalties.py, then
+  temperature, then min-p, then top-k, then top-p on the renormalised top-k distribution; greedy rows are a point
+  mass, so 0.0).
 When some row asks for `top_logprobs` (OpenAI's alternatives), every row also gets the `Passes.top` most likely tokens
 and their logprobs, read off the same full-vocabulary log_softmax (so the sampled token's entry, when listed, is
 bit-identical to its `logprob`); the host keeps each row's own k of them.
 Rows differ by data, never by control flow: every row is scaled, drawn from and argmax-ed, and `torch.where` keeps
 what its parameters ask for. Which full-vocabulary passes a step pays for is the caller's static choice (`Passes`,
 from the step's parameters on the host: a step with no truncating row skips the sort, one at temperature 1 the
-division, one without greedy rows the argmax); the passes change the cost, never a row's token (every draw is an
-inverse CDF in vocabulary order). A captured step runs them all. Randomness is counter-based
-(streams.py): a row's uniform is a hash of its key and the position it samples at. No host synchronisation, no
-generator state, nothing shaped by the data: the path can be captured in a CUDA graph.
+division, one without greedy rows the argmax, one where no row asks for penalties, bias, min_new_tokens or min_p
+their pass); the passes change the cost, never a row's token (every draw is an inverse CDF in vocabulary order, and
+a row that asks for no adjustment keeps its logits bit for bit). A captured step runs them all. Randomness is
+counter-based (streams.py): a row's uniform is a hash of its key and the position it samples at. No host
+synchronisation, no generator state, nothing shaped by the data: the path can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -26,22 +28,27 @@ from typing import NamedTuple
 import torch
 
 from ..base.params import MAX_TOP_LOGPROBS, SamplingParams
+from .penalties import ALL_PARTS, Adjust, adjust_logits, parts
 from .streams import uniforms
 
 
 @dataclass(frozen=True)
 class RowSpec:
-    """What one request is sampled with, on the host: its params and the key of its random stream (streams.py)."""
+    """What one request is sampled with, on the host: its params, the key of its random stream (streams.py) and the
+    ids that stop it (what min_new_tokens holds back)."""
 
     params: SamplingParams
     key: int = 0
+    stop_ids: tuple[int, ...] = ()
 
     @property
     def passes(self) -> "Passes":
         """The optional passes this row needs."""
         p = self.params
-        return Passes(scale=not p.is_greedy and p.temperature != 1, argmax=p.is_greedy,
-                      truncate=not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0), top=p.top_logprobs)
+        sampled = not p.is_greedy
+        return Passes(scale=sampled and p.temperature != 1, argmax=p.is_greedy,
+                      truncate=sampled and (p.top_k > 0 or p.top_p < 1.0), top=p.top_logprobs,
+                      adjust=parts(p), min_p=sampled and p.min_p > 0)
 
 
 @dataclass(frozen=True)
@@ -53,16 +60,20 @@ class SamplingRows:
     top_p: torch.Tensor  # float32; 1.0 disables
     greedy: torch.Tensor  # bool
     key: torch.Tensor  # int64
+    min_p: torch.Tensor | None = None  # float32; 0.0 disables (0.0 on greedy rows); None: the step's pass is skipped
+    adjust: Adjust | None = None  # penalties, bias and min_new_tokens (penalties.py); None: the pass is skipped
 
     @classmethod
-    def of(cls, specs: list[RowSpec], device: torch.device | str = "cpu") -> "SamplingRows":
+    def of(cls, specs: list[RowSpec], device: torch.device | str = "cpu", adjust: Adjust | None = None
+           ) -> "SamplingRows":
         greedy = [s.params.is_greedy for s in specs]
-        return cls(temperature=torch.tensor([1.0 if g else float(s.params.temperature) for s, g in zip(specs, greedy)],
-                                            dtype=torch.float32, device=device),
+        floats = lambda values: torch.tensor(values, dtype=torch.float32, device=device)  # noqa: E731
+        return cls(temperature=floats([1.0 if g else float(s.params.temperature) for s, g in zip(specs, greedy)]),
                    top_k=torch.tensor([s.params.top_k for s in specs], dtype=torch.int64, device=device),
-                   top_p=torch.tensor([float(s.params.top_p) for s in specs], dtype=torch.float32, device=device),
+                   top_p=floats([float(s.params.top_p) for s in specs]),
                    greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-                   key=torch.tensor([s.key for s in specs], dtype=torch.int64, device=device))
+                   key=torch.tensor([s.key for s in specs], dtype=torch.int64, device=device),
+                   min_p=floats([0.0 if g else float(s.params.min_p) for s, g in zip(specs, greedy)]), adjust=adjust)
 
 
 @dataclass(frozen=True)
@@ -73,13 +84,15 @@ class Passes:
     truncate: bool = True  # a row with top-k or top-p
     argmax: bool = True  # a greedy row
     top: int = MAX_TOP_LOGPROBS  # the most top logprobs a row asks for (0: no top-k pass)
+    adjust: int = ALL_PARTS  # the parts of the adjust pass rows ask for (penalties.py: bias, stops, ...); 0: none
+    min_p: bool = True  # a sampled row with min_p
 
     def __or__(self, other: "Passes") -> "Passes":
         return Passes(self.scale or other.scale, self.truncate or other.truncate, self.argmax or other.argmax,
-                      max(self.top, other.top))
+                      max(self.top, other.top), self.adjust | other.adjust, self.min_p or other.min_p)
 
 
-ALL, NONE = Passes(), Passes(scale=False, truncate=False, argmax=False, top=0)
+ALL, NONE = Passes(), Passes(scale=False, truncate=False, argmax=False, top=0, adjust=0, min_p=False)
 
 
 class Drawn(NamedTuple):
@@ -117,17 +130,23 @@ def sample_rows(logits: torch.Tensor, rows: SamplingRows, positions: torch.Tenso
     scaled = logits / rows.temperature[:, None] if passes.scale else logits
     full_logprobs = torch.log_softmax(scaled, dim=-1)  # (N, V)
     top = _top(full_logprobs, passes.top)
-    greedy_tokens = scaled.argmax(dim=-1) if passes.argmax else None
+    reshaped = _reshaped(rows, passes)  # (N,) bool: rows whose adjustments or min-p change what they sample; or None
+    target = scaled if reshaped is None else _target(logits, rows, positions, passes)  # what is drawn from
+    greedy_tokens = target.argmax(dim=-1) if passes.argmax else None
     u = uniforms(rows.key, positions)
     # (N, V) buffers of ours are reused once read for the last time: on CPU each fresh one is page-faulted in again
-    spare = scaled if passes.scale else None
+    spare = scaled if passes.scale and reshaped is None else None
     if passes.truncate:  # the truncated distribution, back in vocabulary order: a row that truncates nothing draws the
         # very token it draws without this pass (the same probabilities in the same order, the same uniform)
-        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+        sorted_logits, order = torch.sort(target, dim=-1, descending=True)
         removed_sorted = truncation_mask(sorted_logits, rows.top_k, rows.top_p)
         removed = torch.empty_like(removed_sorted).scatter_(1, order, removed_sorted)
-        kept = torch.log_softmax(scaled.masked_fill(removed, float("-inf")), dim=-1)
+        kept = torch.log_softmax(target.masked_fill(removed, float("-inf")), dim=-1)
         drawn = _draw(torch.exp(kept, out=sorted_logits), u)
+        drawn_logprob = kept.gather(1, drawn[:, None]).squeeze(1)
+    elif reshaped is not None:  # a row that asks for nothing has target == scaled: kept == full_logprobs, bit for bit
+        kept = torch.log_softmax(target, dim=-1)
+        drawn = _draw(torch.exp(kept, out=target), u)  # target is our own buffer (_target), read for the last time
         drawn_logprob = kept.gather(1, drawn[:, None]).squeeze(1)
     else:
         drawn, drawn_logprob = _draw(torch.exp(full_logprobs, out=spare), u), None
@@ -135,9 +154,36 @@ def sample_rows(logits: torch.Tensor, rows: SamplingRows, positions: torch.Tenso
     logprobs = full_logprobs.gather(1, tokens[:, None]).squeeze(1)
     sampling = logprobs
     if drawn_logprob is not None:  # a row that truncates nothing reports the full logprob itself (bit-identical)
-        sampling = torch.where((rows.top_k == 0) & (rows.top_p >= 1.0), logprobs, drawn_logprob)
+        plain = (rows.top_k == 0) & (rows.top_p >= 1.0)
+        sampling = torch.where(plain if reshaped is None else plain & ~reshaped, logprobs, drawn_logprob)
     sampling = sampling.masked_fill(rows.greedy, 0.0)  # greedy rows: a point mass
     return Drawn(tokens, logprobs, sampling, top[1], top[0])
+
+
+def _reshaped(rows: SamplingRows, passes: Passes) -> torch.Tensor | None:
+    """Which rows the adjust and min-p passes change, or None when the step runs neither."""
+    reshaped = None
+    if passes.adjust and rows.adjust is not None:
+        reshaped = rows.adjust.active
+    if passes.min_p and rows.min_p is not None:
+        reshaped = rows.min_p > 0 if reshaped is None else reshaped | (rows.min_p > 0)
+    return reshaped
+
+
+def _target(logits: torch.Tensor, rows: SamplingRows, positions: torch.Tensor, passes: Passes) -> torch.Tensor:
+    """The scaled logits rows sample from, in a new tensor: adjusted (penalties.py), divided by the temperature, then
+    min-p (tokens less likely than min_p x the most likely one at -inf). Rows that ask for neither get `logits / T`
+    bit for bit."""
+    if passes.adjust and rows.adjust is not None:
+        target = adjust_logits(logits, rows.adjust, positions, passes.adjust)
+        if passes.scale:
+            target.div_(rows.temperature[:, None])
+    else:
+        target = logits / rows.temperature[:, None] if passes.scale else logits.clone()
+    if passes.min_p and rows.min_p is not None:  # p < min_p x p_max, as log-probability differences (min_p 0: -inf)
+        floor = target.amax(dim=-1, keepdim=True) + torch.log(rows.min_p)[:, None]
+        target.masked_fill_(target < floor, float("-inf"))
+    return target
 
 
 def _top(full_logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

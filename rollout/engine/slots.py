@@ -1,10 +1,15 @@
 """SlotTable: the sampling parameters of every scheduled request, on the device, written once per request.
 
 A request gets a slot the first time it is scheduled to sample a token: its `RowSpec` (params and random key) is
-encoded in one row of an int64 [capacity, 4] table (key, top_k, temperature and top_p as float64 bit patterns;
-temperature 0 marks a greedy row) and copied to the device once. Each step then sends only the slot of each row, and
-`rows(slots)` gathers the step's `SamplingRows` on the device: no per-step parameter tensors, no host round trip.
-Row 0 is never handed out: a greedy default for rows that sample nothing (padding, prefill chunks).
+encoded in one row of an int64 [capacity, WIDTH] table (key, top_k, the row's min_new_tokens as the position it
+lasts to, its AdjustTable row, and temperature, top_p, min_p and the penalties as float64 bit patterns; temperature 0
+marks a greedy row) and copied to the device once; a request that asks for penalties, a logit bias or
+min_new_tokens also gets a row of the `AdjustTable` (penalties.py), written from its own tokens. Each step then sends
+only the slot of each row, and `rows(slots)` gathers the step's `SamplingRows` on the device: no per-step parameter
+tensors, no host round trip. Row 0 is never handed out: a greedy default for rows that sample nothing (padding,
+prefill chunks). A preempted request that adjusts its logits gives its slot back (`forget`): the token an async step
+sampled for it is dropped by the engine but was counted on the device, so its next slot is written again from the
+tokens it really holds.
 
 Slots of requests the engine no longer tracks (finished, cancelled, abandoned) are reclaimed when the free list runs
 out; if every slot is still live the table doubles (`on_grow` tells the runner, whose captured CUDA graphs read the
@@ -20,42 +25,73 @@ from collections.abc import Callable, Iterable
 import torch
 
 from ..base.params import SamplingParams
-from .sampler import NONE, Passes, RowSpec, SamplingRows
+from .penalties import Adjust, AdjustTable
+from .upstream.state import history
+from .sampler import ALL, NONE, Passes, RowSpec, SamplingRows
 
-KEY, TOP_K, TEMPERATURE, TOP_P = range(4)  # columns; TEMPERATURE and TOP_P hold float64 bit patterns
+# columns; TEMPERATURE to REPETITION hold float64 bit patterns
+KEY, TOP_K, MIN_POSITION, ADJUST_ROW, TEMPERATURE, TOP_P, MIN_P, FREQUENCY, PRESENCE, REPETITION = range(10)
+WIDTH = 10
 DEFAULT = RowSpec(SamplingParams(temperature=0.0))  # row 0, and every row never written
 
 
-def encode(spec: RowSpec) -> torch.Tensor:
-    """One table row (int64 [4]) on the host."""
-    row = torch.zeros(4, dtype=torch.int64)
-    row[KEY], row[TOP_K] = spec.key, spec.params.top_k
+def encode(spec: RowSpec, min_position: int = 0, adjust_row: int = 0) -> torch.Tensor:
+    """One table row (int64 [WIDTH]) on the host."""
+    p = spec.params
+    row = torch.zeros(WIDTH, dtype=torch.int64)
+    row[KEY], row[TOP_K], row[MIN_POSITION], row[ADJUST_ROW] = spec.key, p.top_k, min_position, adjust_row
     floats = row.view(torch.float64)
-    floats[TEMPERATURE] = 0.0 if spec.params.is_greedy else float(spec.params.temperature)
-    floats[TOP_P] = float(spec.params.top_p)
+    floats[TEMPERATURE] = 0.0 if p.is_greedy else float(p.temperature)
+    floats[TOP_P], floats[MIN_P] = float(p.top_p), 0.0 if p.is_greedy else float(p.min_p)
+    floats[FREQUENCY], floats[PRESENCE] = float(p.frequency_penalty), float(p.presence_penalty)
+    floats[REPETITION] = float(p.repetition_penalty)
     return row
 
 
 class SlotTable:
     def __init__(self, device: torch.device, capacity: int, spec_of: Callable[[str], RowSpec],
-                 is_live: Callable[[str], bool]) -> None:
+                 is_live: Callable[[str], bool], vocab_size: int = 0) -> None:
         self.device = device
         self.spec_of, self.is_live = spec_of, is_live
-        self.stream = None  # set by the engine once its runner exists (None on CPU)
+        self._stream = None
         self.on_grow: Callable[[], None] = lambda: None
-        self.table = encode(DEFAULT).expand(capacity, 4).clone().to(device)  # every row the default
+        self.table = encode(DEFAULT).expand(capacity, WIDTH).clone().to(device)  # every row the default
+        self.adjust = AdjustTable(device, vocab_size)
         self._slot_of: dict[str, int] = {}
         self._passes = [NONE] * capacity
+        self._adjust_rows = [0] * capacity
         self._free = list(range(capacity - 1, 0, -1))
         self._retired: list[torch.Tensor] = []
+
+    @property
+    def stream(self):
+        """The engine's compute stream, set once its runner exists (None on CPU): writes are enqueued on it."""
+        return self._stream
+
+    @stream.setter
+    def stream(self, stream) -> None:
+        self._stream = self.adjust.stream = stream
+
+    @property
+    def adjusting(self) -> bool:
+        """Some request has asked for penalties, a bias or min_new_tokens (the AdjustTable is allocated)."""
+        return self.adjust.capacity > 0
 
     @property
     def capacity(self) -> int:
         return self.table.shape[0]
 
-    def slots(self, request_ids: Iterable[str]) -> list[int]:
-        """The slot of each request, assigning (and writing) one the first time a request is seen."""
-        return [self._slot_of[rid] if rid in self._slot_of else self._assign(rid) for rid in request_ids]
+    def slots(self, states: Iterable) -> list[int]:
+        """The slot of each request (upstream RequestStates), assigning (and writing) one the first time a request is
+        seen."""
+        return [self._slot_of.get(state.request_id) or self._assign(state) for state in states]
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Preempted requests: those that adjust their logits give their slot back (see the module docstring)."""
+        for request_id in request_ids:
+            slot = self._slot_of.get(request_id)
+            if slot is not None and self._passes[slot].adjust:
+                self._release(self._slot_of.pop(request_id))
 
     def passes(self, slots: list[int]) -> Passes:
         """The sampler passes a step of these rows needs (sampler.Passes)."""
@@ -64,37 +100,66 @@ class SlotTable:
             needed |= self._passes[slot]
         return needed
 
-    def rows(self, slots: torch.Tensor) -> SamplingRows:
-        """The step's parameters (device tensors [N]) from its slots (int [N] on the device)."""
-        rows = self.table.index_select(0, slots.long())  # [N, 4]
+    def rows(self, slots: torch.Tensor, passes: Passes = ALL) -> SamplingRows:
+        """The step's parameters (device tensors [N]) from its slots (int [N] on the device); min-p and the
+        adjustments only when `passes` asks for them (and, for adjustments, once some request has)."""
+        rows = self.table.index_select(0, slots.long())  # [N, WIDTH]
         floats = rows.view(torch.float64)
         temperature, greedy = floats[:, TEMPERATURE].float(), floats[:, TEMPERATURE] == 0
         return SamplingRows(temperature=temperature.masked_fill(greedy, 1.0), top_k=rows[:, TOP_K],
-                            top_p=floats[:, TOP_P].float(), greedy=greedy, key=rows[:, KEY])
+                            top_p=floats[:, TOP_P].float(), greedy=greedy, key=rows[:, KEY],
+                            min_p=floats[:, MIN_P].float() if passes.min_p else None,
+                            adjust=self._adjust(rows) if passes.adjust and self.adjusting else None)
 
-    def _assign(self, request_id: str) -> int:
+    def count(self, rows: SamplingRows, tokens: torch.Tensor) -> None:
+        """After a step with the adjust pass: count each adjusting row's sampled token (device work only)."""
+        if rows.adjust is not None:
+            self.adjust.count(rows.adjust, tokens)
+
+    def _adjust(self, rows: torch.Tensor) -> Adjust:
+        floats, index = rows.view(torch.float64), rows[:, ADJUST_ROW]
+        return Adjust(active=index > 0, frequency=floats[:, FREQUENCY].float(), presence=floats[:, PRESENCE].float(),
+                      repetition=floats[:, REPETITION].float(), min_position=rows[:, MIN_POSITION], rows=index,
+                      table=self.adjust)
+
+    def _assign(self, state) -> int:
         if not self._free:
             self._reclaim()
         if not self._free:
             self._grow()
         slot = self._free.pop()
-        spec = self.spec_of(request_id)
+        spec = self.spec_of(state.request_id)
+        min_position = adjust_row = 0
+        if spec.params.adjusts_logits:
+            if self.adjust.full:  # rows of finished requests first: the table grows only past the live ones
+                self._reclaim()
+            prompt, completion = history(state)
+            adjust_row, grown = self.adjust.write(spec.params, spec.stop_ids, prompt, completion)
+            min_position = len(prompt) - 1 + spec.params.min_new_tokens if spec.params.min_new_tokens else 0
+            if grown:
+                self.on_grow()
         with self._on_stream():
-            self.table[slot].copy_(encode(spec))
-        self._passes[slot] = spec.passes
-        self._slot_of[request_id] = slot
+            self.table[slot].copy_(encode(spec, min_position, adjust_row))
+        self._passes[slot], self._adjust_rows[slot] = spec.passes, adjust_row
+        self._slot_of[state.request_id] = slot
         return slot
+
+    def _release(self, slot: int) -> None:
+        self.adjust.free(self._adjust_rows[slot])
+        self._adjust_rows[slot] = 0
+        self._free.append(slot)
 
     def _reclaim(self) -> None:
         for request_id in [r for r in self._slot_of if not self.is_live(r)]:
-            self._free.append(self._slot_of.pop(request_id))
+            self._release(self._slot_of.pop(request_id))
 
     def _grow(self) -> None:
         old = self.capacity
         self._retired.append(self.table)  # a step still running on another stream may read it: never freed early
         with self._on_stream():
-            self.table = torch.cat([self.table, self.table[:1].expand(old, 4)])
+            self.table = torch.cat([self.table, self.table[:1].expand(old, WIDTH)])
         self._passes += [NONE] * old
+        self._adjust_rows += [0] * old
         self._free = list(range(2 * old - 1, old - 1, -1))
         self.on_grow()
 

@@ -35,8 +35,8 @@ def mix64(x: int) -> int:
 
 
 def stream_key(*words: int) -> int:
-    """Fold non-negative ints into one 64-bit key (as an int64 value): each word is added to the running state and
-    mixed, so every word and its place count."""
+    """Fold ints into one 64-bit key (as an int64 value): each word (taken modulo 2^64, so a negative int64 seed
+    differs from every other int64) is added to the running state and mixed, so every word and its place count."""
     state = 0
     for word in words:
         state = mix64((state + GOLDEN + word) & MASK64)

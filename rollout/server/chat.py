@@ -44,17 +44,30 @@ class ChatFormat:
         return getattr(self.tokenizer, "response_template", None) is not None
 
     # ------------------------------------------------------------------ messages -> ids
-    def render(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool = True) -> list[int]:
+    def render(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool = True,
+               **template: Any) -> list[int]:
+        """`template`: more keywords for the chat template (continue_final_message, enable_thinking, ...)."""
         if not self.can_render:
             raise bad_request("messages", "this model's tokenizer has no chat template. Fix: send prompt_token_ids, "
                               "or use /v1/completions with a text prompt")
+        self._check_reads(template)
         try:
             ids = self.tokenizer.apply_chat_template(normalize(messages), tools=tools or None, tokenize=True,
-                                                     add_generation_prompt=add_generation_prompt, return_dict=False)
+                                                     add_generation_prompt=add_generation_prompt, return_dict=False,
+                                                     **template)
         except Exception as error:  # a template's own raise_exception, a missing field, ...
             raise bad_request("messages", f"the chat template could not render these messages: "
                               f"{type(error).__name__}: {error}") from None
         return list(ids)
+
+    def _check_reads(self, template: dict[str, Any]) -> None:
+        """A template keyword the chat template never reads would change nothing: refused by name."""
+        source = str(self.tokenizer.chat_template)
+        for name in template:
+            if name != "continue_final_message" and name not in source:
+                field = name if name == "reasoning_effort" else f"chat_template_kwargs.{name}"
+                raise bad_request(field, f"{field} means nothing for this model: its chat template never reads "
+                                  f"`{name}`. Fix: leave it out")
 
     def _end_of_turn(self) -> tuple[int, ...]:
         """The last added token the template writes after an assistant message's content (its end of turn)."""

@@ -27,15 +27,23 @@ class Diverged(Exception):
 
 class Detokenizer:
     """Text of tokens, stop strings, and how logprobs name a token (`name`: its text, or "token_id:<id>" when
-    `as_ids`, vLLM's `return_tokens_as_token_ids`)."""
+    `as_ids`, vLLM's `return_tokens_as_token_ids`). vLLM's `skip_special_tokens` (`skip_special`),
+    `include_stop_str_in_output` (`include_stop`: the text runs to the end of the stop string) and `min_tokens` (a
+    stop string that ends within the first `min_tokens` tokens does not stop the row). `hidden`: stop ids whose text
+    is left out when one ends the row (with skip_special false and include_stop false, as vLLM leaves them out)."""
 
-    def __init__(self, tokenizer: Any, stops: tuple[str, ...] = (), as_ids: bool = False) -> None:
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...] = (), as_ids: bool = False, skip_special: bool = True,
+                 include_stop: bool = False, min_tokens: int = 0, hidden: tuple[int, ...] = ()) -> None:
         self.tokenizer, self.stops, self.as_ids = tokenizer, stops, as_ids
+        self.skip_special, self.include_stop, self.min_tokens = skip_special, include_stop, min_tokens
+        self.hidden = frozenset(hidden)
 
     def text(self, ids: list[int]) -> str:
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        if ids and ids[-1] in self.hidden:  # a stop id is only ever a row's last token
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
     def name(self, token: int) -> str:
         """What logprobs call the token."""
@@ -50,18 +58,21 @@ class Detokenizer:
         """(tokens kept, their text, whether a stop string ended them). `text`: the text of `ids` when known;
         `start`: the first position of it where a stop string may begin (the text before was searched already)."""
         text = self.text(ids) if text is None else text
-        hits = [(pos, s) for s in self.stops if (pos := text.find(s, start)) >= 0]
-        if not hits:
-            return len(ids), text, False
-        pos, stop = min(hits)
-        low, high = 1, len(ids)  # the fewest tokens whose text holds the stop string
-        while low < high:
-            mid = (low + high) // 2
-            if stop in self.text(ids[:mid]):
-                high = mid
-            else:
-                low = mid + 1
-        return low, text[:pos], True
+        while True:
+            hits = [(pos, s) for s in self.stops if (pos := text.find(s, start)) >= 0]
+            if not hits:
+                return len(ids), text, False
+            pos, stop = min(hits)
+            low, high = 1, len(ids)  # the fewest tokens whose text holds the stop string there
+            while low < high:
+                mid = (low + high) // 2
+                if self.text(ids[:mid]).find(stop, pos) >= 0:
+                    high = mid
+                else:
+                    low = mid + 1
+            if low >= self.min_tokens:
+                return low, text[:pos + len(stop)] if self.include_stop else text[:pos], True
+            start = pos + 1  # within the first min_tokens tokens: not a stop
 
     def held_back(self, text: str) -> int:
         """Characters at the end of `text` not to stream yet: half a character, or a possible stop string start."""

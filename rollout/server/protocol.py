@@ -2,8 +2,17 @@
 
 `parse(kind, body, headers)` turns the JSON of `POST /v1/chat/completions` (kind "chat") or `POST /v1/completions`
 (kind "completion") into a `Request`, or raises an `ApiError` (400) naming the field. Nothing is silently dropped:
-an unknown field is refused as OpenAI's API refuses it, and a sampling control the engine cannot honour
-(`presence_penalty`, `logit_bias`, ...) is refused unless it holds its neutral value.
+an unknown field is refused as OpenAI's API refuses it, and a control the engine cannot honour (`best_of`,
+`response_format`, ...) is refused unless it holds its neutral value.
+
+Sampling (`SamplingParams`' meaning): `presence_penalty`, `frequency_penalty`, `logit_bias` (OpenAI's), vLLM's
+`repetition_penalty`, `min_p` and `min_tokens` (stop ids and stop strings held back until that many tokens), a
+`seed` anywhere in int64 (negative too). Text: `skip_special_tokens` (default true), `include_stop_str_in_output`
+(default false: the text ends before the stop string). Chat rendering (passed to the chat template as vLLM does):
+`add_generation_prompt` (default true), `continue_final_message` (default false: the last assistant message is
+continued, not closed), `reasoning_effort` and `chat_template_kwargs` (e.g. `enable_thinking`), each refused by name
+when the model's template never reads it. `stream_options.include_obfuscation`: false, or left out (this server's
+chunks carry no obfuscation padding).
 
 Extensions (vLLM's names where vLLM has one): `prompt_token_ids` (token ids instead of messages or a prompt),
 `top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids` (false drops the token-id fields of the response),
@@ -18,24 +27,34 @@ its logprobs when `logprobs` is set), and `max_tokens: 0` when only the prompt i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..base.params import MAX_TOP_LOGPROBS
 from .errors import bad_request
 from .limits import RequestLimits
 
-# Sampling controls other servers take that this engine cannot apply per request: accepted only at these values.
-NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},), "min_p": (0, 0.0),
-           "repetition_penalty": (1, 1.0), "min_tokens": (0,), "best_of": (1,), "echo": (False,), "suffix": ("",),
-           "parallel_tool_calls": (True,), "store": (False,), "response_format": ({"type": "text"},)}
+# Controls other servers take that this one cannot apply per request: accepted only at these values.
+NEUTRAL = {"best_of": (1,), "echo": (False,), "suffix": ("",), "parallel_tool_calls": (True,), "store": (False,),
+           "response_format": ({"type": "text"},)}
+# the request's sampling adjustments, by SamplingParams' name (min_tokens is SamplingParams.min_new_tokens)
+ADJUSTMENTS = {"presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+               "repetition_penalty": "repetition_penalty", "min_p": "min_p", "min_tokens": "min_new_tokens",
+               "logit_bias": "logit_bias"}
+TEXT = {"skip_special_tokens", "include_stop_str_in_output"}
+TEMPLATE = {"add_generation_prompt", "continue_final_message", "reasoning_effort", "chat_template_kwargs"}
+# chat_template_kwargs the server sets itself when it renders (tools come from the request's own field)
+RENDERING = {"tokenize", "return_dict", "return_tensors", "conversation", "tools", "documents", "chat_template",
+             "return_assistant_tokens_mask", "tokenizer_kwargs", "padding", "truncation", "max_length"}
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+SEED_BOUNDS = (-2**63, 2**63 - 1)  # OpenAI's seed is an int64
 # Fields that change nothing about the tokens: accepted and, as OpenAI's API does with them, not acted upon.
 INERT = ("user", "metadata", "service_tier")
 COMMON = {"model", "n", "temperature", "top_p", "max_tokens", "stop", "seed", "stream", "stream_options", "logprobs",
           "prompt_token_ids", "top_k", "stop_token_ids", "ignore_eos", "return_token_ids", "return_tokens_as_token_ids",
           "episode_id", "prompt_logprobs",
-          *NEUTRAL, *INERT}
-FIELDS = {"chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"},
+          *NEUTRAL, *INERT, *ADJUSTMENTS, *TEXT}
+FIELDS = {"chat": COMMON | TEMPLATE | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"},
           "completion": COMMON | {"prompt"}}
 ACTED_ON = {"completion": {"echo"}, "chat": set()}  # NEUTRAL fields a kind does honour
 TOOL_CHOICES = ("auto", "none")
@@ -72,6 +91,11 @@ class Request:
     tokens_as_ids: bool  # return_tokens_as_token_ids
     echo: bool = False  # completions: the prompt comes back before the completion (and its logprobs, if asked)
     prompt_logprobs: int | None = None  # alternatives per prompt token (vLLM's prompt_logprobs); None: not asked
+    adjustments: dict[str, Any] = field(default_factory=dict)  # SamplingParams keywords: penalties, min_p, ...
+    skip_special_tokens: bool = True
+    include_stop: bool = False  # include_stop_str_in_output
+    template: dict[str, Any] = field(default_factory=dict)  # chat: keywords for the chat template (add_generation_
+    # prompt, continue_final_message, reasoning_effort, chat_template_kwargs); {} renders as it always did
 
     @property
     def scores_prompt(self) -> bool:
@@ -115,6 +139,11 @@ def parse(kind: str, body: Any, headers: dict[str, str] | None = None,
                           "the completion. Fix: send stream=false")
     stop = _stop(body)
     limits.refuse("stop", len(stop), "max_stop", "stop strings")
+    template = _template(body)
+    if template and messages is None:
+        name = next(n for n in ("chat_template_kwargs", *sorted(TEMPLATE)) if body.get(n) is not None)
+        raise bad_request(name, f"{name} shapes how messages are rendered, and this request sends "
+                          "prompt_token_ids. Fix: send messages, or leave it out")
     return Request(
         kind=kind, model=model, messages=messages, prompts=prompts, n=n,
         temperature=_number(body, "temperature", 1.0, 0.0, math.inf),
@@ -122,11 +151,13 @@ def parse(kind: str, body: Any, headers: dict[str, str] | None = None,
         max_tokens=_max_tokens(kind, body, scores_only=echo or prompt_logprobs is not None),
         max_tokens_param="max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens",
         stop=stop, stop_token_ids=_ids(body, "stop_token_ids"),
-        ignore_eos=_bool(body, "ignore_eos", False), seed=_int(body, "seed", None, 0), logprobs=logprobs,
+        ignore_eos=_bool(body, "ignore_eos", False), seed=_seed(body), logprobs=logprobs,
         top_logprobs=top_logprobs, stream=stream, include_usage=_include_usage(body, stream), tools=_tools(body),
         tool_choice=_tool_choice(body), episode_id=_episode_id(body, headers or {}),
         return_token_ids=_bool(body, "return_token_ids", True),
-        tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False), echo=echo, prompt_logprobs=prompt_logprobs)
+        tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False), echo=echo, prompt_logprobs=prompt_logprobs,
+        adjustments=_adjustments(body), skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        include_stop=_bool(body, "include_stop_str_in_output", False), template=template)
 
 
 def messages_of(body: dict) -> list[dict]:
@@ -185,6 +216,54 @@ def _int(body: dict, name: str, default: int | None, minimum: int) -> int | None
     if not _is_int(value) or value < minimum:
         raise bad_request(name, f"{name}={value!r} is invalid: must be an integer >= {minimum}")
     return value
+
+
+def _seed(body: dict) -> int | None:
+    seed = _int(body, "seed", None, SEED_BOUNDS[0])
+    if seed is not None and seed > SEED_BOUNDS[1]:
+        raise bad_request("seed", f"seed={seed} is invalid: must be a 64-bit signed integer")
+    return seed
+
+
+def _adjustments(body: dict) -> dict[str, Any]:
+    """The penalties, min_p, min_tokens and logit_bias a body sets, as SamplingParams keywords (their values are
+    checked there: an error names the request's field)."""
+    out = {ours: body[name] for name, ours in ADJUSTMENTS.items() if body.get(name) is not None}
+    bias = out.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict) or not all(isinstance(k, str) and k.isdigit() or _is_int(k) for k in bias):
+            raise bad_request("logit_bias", "logit_bias must be an object mapping token ids (as strings, e.g. "
+                              "\"50256\") to a bias in [-100, 100]")
+        out["logit_bias"] = {int(k): v for k, v in bias.items()}
+        if not out["logit_bias"]:
+            del out["logit_bias"]
+    return out
+
+
+def _template(body: dict) -> dict[str, Any]:
+    """Keywords for the chat template: vLLM's fields, then chat_template_kwargs (which may override them)."""
+    template = {name: _bool(body, name, False) for name in ("add_generation_prompt", "continue_final_message")
+                if body.get(name) is not None}
+    if template.get("add_generation_prompt", True) and template.get("continue_final_message"):
+        raise bad_request("continue_final_message", "continue_final_message=true continues the last assistant "
+                          "message, so no generation prompt can follow it. Fix: also send add_generation_prompt=false")
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise bad_request("reasoning_effort", f"reasoning_effort={effort!r} is invalid: must be one of "
+                              f"{', '.join(REASONING_EFFORTS)}")
+        template["reasoning_effort"] = effort
+    extra = body.get("chat_template_kwargs")
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise bad_request("chat_template_kwargs", "chat_template_kwargs must be an object of keyword arguments "
+                              "for the chat template, e.g. {\"enable_thinking\": false}")
+        reserved = sorted(set(extra) & RENDERING)
+        if reserved:
+            raise bad_request(f"chat_template_kwargs.{reserved[0]}", f"chat_template_kwargs.{reserved[0]} is set by "
+                              "the server when it renders. Fix: leave it out (tools go in the request's tools)")
+        template |= extra
+    return template
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float, open_low: bool = False) -> float:
@@ -273,8 +352,12 @@ def _include_usage(body: dict, stream: bool) -> bool:
         return False
     if not stream:
         raise bad_request("stream_options", "stream_options is only allowed with stream=true")
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise bad_request("stream_options", "stream_options must be {\"include_usage\": true|false}")
+    if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
+        raise bad_request("stream_options", "stream_options must be {\"include_usage\": true|false, "
+                          "\"include_obfuscation\": false}")
+    if _bool(options, "include_obfuscation", False):
+        raise bad_request("stream_options.include_obfuscation", "include_obfuscation=true is not supported: this "
+                          "server adds no obfuscation padding to its chunks. Fix: send false or leave it out")
     return _bool(options, "include_usage", False)
 
 

@@ -34,7 +34,8 @@ from .prompts import PromptScorer, PromptScores
 from .protocol import Request
 from .responses import Chunks, chat_response, completion_response
 
-API_NAMES = {"max_new_tokens": "max_tokens", "prompt": "prompt_token_ids"}  # rollout's field -> the request's
+API_NAMES = {"max_new_tokens": "max_tokens", "prompt": "prompt_token_ids",  # rollout's field -> the request's
+             "min_new_tokens": "min_tokens"}
 
 
 @dataclass(frozen=True)
@@ -87,10 +88,16 @@ class Service:
                 raise bad_request(self._prompt_field(request), f"token id {bad[0]} is outside the vocabulary "
                                   f"[0, {self.limits.vocab_size})")
         sampling = self._sampling(request, max(len(p) for p in prompts))
-        return Prepared(prompts, sampling, Detokenizer(self.tokenizer, request.stop, request.tokens_as_ids))
+        hidden = () if request.skip_special_tokens or request.include_stop or sampling is None \
+            else sampling.stop_token_ids
+        detok = Detokenizer(self.tokenizer, request.stop, request.tokens_as_ids, request.skip_special_tokens,
+                            request.include_stop, request.adjustments.get("min_new_tokens", 0), hidden)
+        return Prepared(prompts, sampling, detok)
 
     def _prompts(self, request: Request) -> list[list[int]]:
         if request.messages is not None:
+            if request.template:  # rendered as asked (an episode's continuation assumes the default rendering)
+                return [self.chat.render(request.messages, rendered_tools(request), **request.template)]
             return [self._continuation(request) or self.chat.render(request.messages, rendered_tools(request))]
         if any(isinstance(p, str) for p in request.prompts) and self.tokenizer is None:
             raise bad_request("prompt", "text prompts need a tokenizer. Fix: send token ids")
@@ -131,7 +138,8 @@ class Service:
         try:
             return SamplingParams(n=request.n, temperature=request.temperature, top_k=request.top_k,
                                   top_p=request.top_p, max_new_tokens=max_tokens, seed=request.seed,
-                                  stop_token_ids=self._stop_ids(request), top_logprobs=request.top_logprobs)
+                                  stop_token_ids=self._stop_ids(request), top_logprobs=request.top_logprobs,
+                                  **request.adjustments)
         except ValueError as error:
             raise from_value_error(error, API_NAMES) from None
 

@@ -8,7 +8,8 @@ with `tool_calls`. The markup strings are special tokens trained into the vocabu
 
 `build_reasoning_chat_tokenizer` is the same with a `<think>...</think>` reasoning block, rendered the way reasoning
 models' templates render history (DeepSeek-R1's, Qwen3's for earlier queries): an assistant message shows its
-reasoning only while it is the chat's last message. Rendered again after tool results, an earlier turn loses its
+reasoning only while it is the chat's last message. It reads `enable_thinking` (Qwen3's) and `reasoning_effort`
+(gpt-oss's) when they are passed. Rendered again after tool results, an earlier turn loses its
 reasoning, so the new chat is not the token history plus the tool results: the history is rewritten.
 """
 
@@ -46,7 +47,14 @@ REASONING_CHAT_TEMPLATE = TOOL_CHAT_TEMPLATE.replace(
     "{%- if m['content'] is string %}",
     "{%- if m['role'] == 'assistant' and m['reasoning_content'] is string and loop.last %}"
     "<think>{{ m['reasoning_content'] }}</think>{% endif %}"
-    "{%- if m['content'] is string %}", 1)
+    "{%- if m['content'] is string %}", 1).replace(
+    # the switches reasoning templates read: Qwen3's enable_thinking (an empty reasoning block when false) and
+    # gpt-oss's reasoning_effort (a system line); left undefined, they render nothing
+    "{%- if add_generation_prompt %}<|assistant|>{% endif %}",
+    "{%- if add_generation_prompt %}<|assistant|>"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}{% endif %}", 1)
+REASONING_CHAT_TEMPLATE = ("{%- if reasoning_effort is defined %}<|system|>Reasoning: {{ reasoning_effort }}<|end|>"
+                           "{% endif %}" + REASONING_CHAT_TEMPLATE)
 
 REASONING_RESPONSE_TEMPLATE = {
     "defaults": {"role": "assistant"},

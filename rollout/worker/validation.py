@@ -88,6 +88,10 @@ def check_prompt(ids: list[int], params: SamplingParams, index: int, vocab_size:
         if token >= vocab_size:
             raise invalid("stop_token_ids", token, f"ids must be in [0, {vocab_size})",
                           "use the model's own token ids", where, index)
+    for token, _ in params.logit_bias or ():
+        if token >= vocab_size:
+            raise invalid("logit_bias", token, f"ids must be in [0, {vocab_size})", "use the model's own token ids",
+                          where, index)
     if params.top_logprobs > vocab_size:
         raise invalid("top_logprobs", params.top_logprobs, f"the vocabulary has only {vocab_size} tokens",
                       f"ask for at most {vocab_size} alternatives", where, index)

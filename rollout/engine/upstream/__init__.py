@@ -11,7 +11,8 @@ against the source and pins behaviour by behaviour. Nothing here changes transfo
 - manager.py: the manager with every hook plugged in at construction (`Hooks`), its daemon loop thread;
 - runner.py: per-row sampling with both logprobs, in the model runner's sampling step;
 - scheduler.py: FIFO scheduling minus the 1-token fork crash; router.py: one output callback;
-- preemption.py: counting soft resets under KV pressure; switch.py: what a weight switch does to cached KV.
+- preemption.py: counting soft resets under KV pressure; switch.py: what a weight switch does to cached KV;
+- state.py: what a RequestState holds, read the one way that survives a soft reset.
 """
 
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestState, RequestStatus

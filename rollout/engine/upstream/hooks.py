@@ -49,6 +49,9 @@ HOOKS: tuple[Hook, ...] = (
                                                       "upstream/manager.py", "upstream/memory.py"),
          "the attention a model runs; transformers has a setter (set_attn_implementation) but no public getter "
          "(scoring reads it too)"),
+    Hook("_true_initial_tokens", "RequestState", ("upstream/state.py",),
+         "a soft-reset request's prompt length (0 if never reset), so the penalties of a preempted request are "
+         "counted again over its own completion, not its folded prompt (slots.py reads it through `history`)"),
     Hook("_status", "RequestState", ("upstream/switch.py",),
          "a request soft reset for a 'recompute' weight switch is marked FINISHED the way upstream's preemption "
          "marks it (bypassing the setter's lifespan bookkeeping) before create_equivalent_initial_request()'s copy "

@@ -56,9 +56,11 @@ class RowSlotArgs(ContinuousBatchingLogitsProcessorList):
         int32_tensor.fill_(0)  # the table's default row
 
     def prepare_tensor_args(self, requests_in_batch, arg_storage: torch.Tensor) -> torch.Tensor:
-        slots = self.table.slots(fs.state.request_id for fs in requests_in_batch if fs.has_new_token)
+        slots = self.table.slots(fs.state for fs in requests_in_batch if fs.has_new_token)
         self.passes = ALL if self.all_passes else self.table.passes(slots)
-        if slots:  # rows past these keep older (valid) slots: their samples are never read
+        if self.passes.adjust and self.table.adjusting:  # rows past these must not count a token for a live request
+            arg_storage[0, len(slots):].zero_()
+        if slots:  # otherwise rows past these keep older (valid) slots: their samples are never read
             arg_storage[0, : len(slots)] = torch.tensor(slots, dtype=torch.int32).to(arg_storage.device)
         return arg_storage
 
@@ -82,9 +84,10 @@ class RolloutModelRunner(ModelRunner):
             logits = logits[:, indices, :]
         logits = logits[0].float()  # [num_sequences, V]
         args = self.logit_processor
-        rows = args.table.rows(batch_data["logits_processor_args"][0, : logits.shape[0]])
+        rows = args.table.rows(batch_data["logits_processor_args"][0, : logits.shape[0]], args.passes)
         positions = batch_data["position_ids"][0].index_select(0, indices.long()).long()  # of each row's last token
         drawn = sample_rows(logits, rows, positions, args.passes)
+        args.table.count(rows, drawn.tokens)  # penalties count what each row sampled (steps with the adjust pass)
         count, top = drawn.tokens.size(0), drawn.top_ids.size(1)
         output_ids[0, :count].copy_(drawn.tokens)
         output_ids[1, :count].copy_(drawn.logprobs.view(dtype=torch.int32))
