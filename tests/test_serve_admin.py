@@ -132,7 +132,8 @@ def test_an_update_from_a_checkpoint_dir_gives_the_new_weights_logprobs_and_vers
     assert status == 200 and body == {"weight_version": "1", "policy_version": 1,
                                       "weights_fingerprint": fingerprint(models[1])}
     # SGLang's name, with the version the trainer chose
-    assert call(server, "POST", "/update_weights_from_disk", {"model_path": path, "version": 7})[1]["policy_version"] == 7
+    status, body = call(server, "POST", "/update_weights_from_disk", {"model_path": path, "version": 7})
+    assert (status, body["policy_version"]) == (200, 7)
     assert worker.policy_version == 7
 
 
