@@ -116,6 +116,29 @@ def test_rollout_serve_admin_refuses_a_public_host_without_a_key_before_loading(
     assert "admin_key=None is invalid" in capsys.readouterr().err
 
 
+class WithoutPause:
+    """A Rollouts without pause / resume / reset_prefix_cache (as a RolloutFleet is): the rest is the worker's."""
+
+    pause = resume = reset_prefix_cache = None
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def __getattr__(self, name):
+        return getattr(self.worker, name)
+
+
+def test_a_rollouts_without_pause_answers_501_and_still_takes_updates(tiny_path, versions):
+    models, path = versions
+    with RolloutWorker(tiny_path, WorkerConfig(page_size=16)) as worker, \
+            rollout.serve(WithoutPause(worker), port=0, model_name="tiny", admin=True) as server:
+        status, body = call(server, "POST", "/pause", {})
+        assert status == 501 and "pause()" in body["error"]["message"]
+        assert call(server, "POST", "/reset_prefix_cache", {})[0] == 501
+        assert call(server, "POST", "/update_weights", {"weight_dir": path})[1]["policy_version"] == 1
+        assert worker.weights_fingerprint() == fingerprint(models[1])
+
+
 # ---------------------------------------------------------------------------------------------- weight updates
 def test_an_update_from_a_checkpoint_dir_gives_the_new_weights_logprobs_and_version(admin, versions):
     worker, server = admin
@@ -300,3 +323,26 @@ def test_sleep_wake_up_and_reset_prefix_cache_round_trips(admin, versions):
     again = complete(server)
     assert again == first and worker.metrics().prefix_cache_reused_tokens == reused  # nothing was matched
     assert_exact(models, again)
+
+
+# ---------------------------------------------------------------------------------------------- the worker's pause
+def test_the_workers_pause_holds_across_a_sleep_and_refuses_what_would_never_end(tiny_path):
+    sampling = SamplingParams(max_new_tokens=16, seed=1, ignore_eos=True)
+    with RolloutWorker(tiny_path, WorkerConfig(page_size=16, max_batch_tokens=64)) as worker:
+        expected = worker.generate([PROMPT], sampling).completion_token_lists()
+        with pytest.raises(ValueError, match="in_flight='recompute' is invalid"):
+            worker.pause("recompute")
+        worker.resume()  # not paused: nothing happens
+        worker.sleep()
+        worker.pause("keep")
+        worker.pause("wait")  # already paused: nothing happens
+        future = worker.submit([PROMPT], sampling)  # wakes the engine, whose loop stays paused
+        time.sleep(0.5)
+        assert not future.done() and worker.is_paused and not worker.is_sleeping
+        with pytest.raises(ValueError, match="in_flight='wait' is invalid: the engine is paused with 1 requests"):
+            worker.update_weights(worker.state_dict(), in_flight="wait")
+        with pytest.raises(RuntimeError, match="cannot sleep"):
+            worker.sleep()
+        worker.resume()
+        assert future.result(60).completion_token_lists() == expected
+        worker.pause("abort")  # closing a paused worker does not hang
