@@ -13,6 +13,7 @@ Under vLLM's endpoint names (its RLHF router, `vllm/entrypoints/serve/rlhf`, and
     POST /update_weights_from_disk       {"model_path": DIR} (SGLang's name, which slime and AReaL call)
     GET  /get_weight_version             {"weight_version": "N", "policy_version": N, "weights_fingerprint": "..."}
 
+Where the tensors come from: transfer.py.
 Every update takes `version` (default: + 1) and `in_flight` ("wait", "abort", "recompute", "keep"; default: the
 worker's own, or "recompute" while paused, since waiting for frozen requests would never end), is validated whole
 (names, shapes, finite values) before any weight changes, lands atomically through the rollout side's
@@ -23,10 +24,8 @@ Operations run one at a time on one thread of their own, off the event loop: gen
 from __future__ import annotations
 
 import asyncio
-import datetime
 import hmac
 import ipaddress
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -36,9 +35,11 @@ from fastapi import Depends, FastAPI, Query, Request
 from ..base.errors import invalid
 from .errors import ApiError, bad_request, from_value_error
 from .limits import RequestLimits, read_json
+from .transfer import WeightReceiver, known_fields, parse_update_info, read_checkpoint
 
 PAUSE_MODES = ("abort", "wait", "keep")  # vLLM's; the worker also has "recompute", which only an update can mean
-GROUP_TIMEOUT_S = 300
+UPDATE = ("version", "in_flight")  # what every update body may add to its source
+SGLANG = ("weight_version", "abort_all_requests", "flush_cache")  # /update_weights_from_disk's fields that mean here
 
 
 def is_loopback(host: str) -> bool:
@@ -79,21 +80,45 @@ class Control:
                            "(rollout serve without --workers)", code="not_implemented")
         return fn
 
-    def update(self, weights, body: dict) -> dict:
-        version = body.get("version")
-        mode = body.get("in_flight") or ("recompute" if getattr(self.rollouts, "is_paused", False) else None)
-        new = self.rollouts.update_weights(weights, version=version, in_flight=mode)
+    def sleep(self) -> None:
+        try:
+            self.method("sleep")()
+        except RuntimeError as error:  # a state conflict (paused with requests frozen), not a failure
+            raise ApiError(409, str(error), code="conflict") from None
+
+    def update(self, weights: dict[str, torch.Tensor], version: Any = None, in_flight: Any = None) -> dict:
+        if in_flight is None and getattr(self.rollouts, "is_paused", False):
+            in_flight = "recompute"  # waiting for requests a pause froze would never end
+        new = self.rollouts.update_weights(weights, version=version, in_flight=in_flight)
         return {"success": True, "message": "Weights updated", "policy_version": int(new)}
+
+    def join(self, info: dict, device: torch.device) -> None:
+        self.group = None  # a new group replaces the last (its store and process group are dropped with it)
+        self.group = WeightReceiver(info, device)
+
+    def from_group(self, body: dict) -> dict:
+        if self.group is None:
+            raise ApiError(409, "no weight transfer group: POST /init_weight_transfer_engine first", code="conflict")
+        names, dtypes, shapes = parse_update_info(body["update_info"])
+        return self.update(self.group.receive(names, dtypes, shapes), body.get("version"), body.get("in_flight"))
+
+    def from_dir(self, body: dict, field: str) -> dict:
+        return self.update(read_checkpoint(body.get(field), field), body.get("version"), body.get("in_flight"))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if self.group is not None:
-            self.group.close()
+        self.group = None
 
 
 def mount(app: FastAPI, control: Control, key: str | None, limits: RequestLimits) -> None:
-    """Add the admin routes to `app`; with a key, each needs `Authorization: Bearer KEY` (401 without one, 403 with
-    another)."""
+    """Add the admin routes to `app`, each behind `key` when one is given."""
+    guard = [Depends(_authorizer(key))]
+    _generation_routes(app, control, guard)
+    _weight_routes(app, control, guard, limits)
+
+
+def _authorizer(key: str | None) -> Callable[[Request], None]:
+    """`Authorization: Bearer KEY` on every admin route: 401 without one, 403 with another."""
     def authorize(request: Request) -> None:
         if key is None:
             return
@@ -105,14 +130,12 @@ def mount(app: FastAPI, control: Control, key: str | None, limits: RequestLimits
             raise ApiError(403, "wrong admin key. Fix: send the key given to rollout serve --admin-key",
                            code="forbidden")
 
-    guard = [Depends(authorize)]
-    rollouts = control.rollouts
+    return authorize
 
-    async def body_of(request: Request) -> dict:
-        body = read_json(await request.body() or b"{}", limits)
-        if not isinstance(body, dict):
-            raise bad_request(None, "the body must be a JSON object")
-        return body
+
+def _generation_routes(app: FastAPI, control: Control, guard: list) -> None:
+    """pause / resume, sleep / wake_up, the prefix cache."""
+    rollouts = control.rollouts
 
     @app.post("/pause", dependencies=guard)
     async def pause(mode: str = "abort") -> dict:
@@ -136,7 +159,7 @@ def mount(app: FastAPI, control: Control, key: str | None, limits: RequestLimits
         if level != 1:
             raise bad_request("level", f"level={level} is invalid: only level 1 (the KV cache is freed, the weights "
                               "stay). Fix: use level=1, and update the weights with /update_weights")
-        await control.run(_conflict_on_runtime_error(control.method("sleep")))
+        await control.run(control.sleep)
         return {"status": "sleeping"}
 
     @app.post("/wake_up", dependencies=guard)
@@ -156,6 +179,18 @@ def mount(app: FastAPI, control: Control, key: str | None, limits: RequestLimits
         await control.run(control.method("reset_prefix_cache"))
         return {"status": "ok"}
 
+
+def _weight_routes(app: FastAPI, control: Control, guard: list, limits: RequestLimits) -> None:
+    """Updates from a checkpoint directory or a trainer's group, and the version they made."""
+    rollouts = control.rollouts
+
+    async def body_of(request: Request, allowed: tuple[str, ...]) -> dict:
+        body = read_json(await request.body() or b"{}", limits)
+        if not isinstance(body, dict):
+            raise bad_request(None, "the body must be a JSON object")
+        known_fields(body, allowed)
+        return body
+
     @app.get("/get_weight_version", dependencies=guard)
     async def weight_version() -> dict:
         fingerprint = await control.run(rollouts.weights_fingerprint)
@@ -164,138 +199,41 @@ def mount(app: FastAPI, control: Control, key: str | None, limits: RequestLimits
 
     @app.post("/init_weight_transfer_engine", dependencies=guard)
     async def init_weight_transfer_engine(request: Request) -> dict:
-        info = (await body_of(request)).get("init_info")
+        info = (await body_of(request, ("init_info",))).get("init_info")
         if not isinstance(info, dict):
             raise bad_request("init_info", "init_info is missing: send {\"init_info\": {\"master_address\", "
                               "\"master_port\", \"rank_offset\", \"world_size\", \"backend\"}}")
-        await control.run(_join, control, info, _device_of(rollouts))
+        await control.run(control.join, info, _device_of(rollouts))
         return {"message": "Weight transfer initialized"}
 
     @app.post("/update_weights", dependencies=guard)
     async def update_weights(request: Request) -> dict:
-        body = await body_of(request)
+        body = await body_of(request, ("update_info", "weight_dir") + UPDATE)
         if "update_info" in body:
-            return await control.run(_from_group, control, body)
-        return await control.run(_from_dir, control, body, "weight_dir")
+            return await control.run(control.from_group, body)
+        return await control.run(control.from_dir, body, "weight_dir")
 
     @app.post("/update_weights_from_disk", dependencies=guard)
     async def update_weights_from_disk(request: Request) -> dict:
-        return await control.run(_from_dir, control, await body_of(request), "model_path")
+        body = _from_sglang(await body_of(request, ("model_path",) + UPDATE + SGLANG))
+        return await control.run(control.from_dir, body, "model_path")
 
 
-def _conflict_on_runtime_error(fn: Callable) -> Callable:
-    def run() -> None:
-        try:
-            fn()
-        except RuntimeError as error:  # a state conflict (paused with requests frozen), not a bad request
-            raise ApiError(409, str(error), code="conflict") from None
-
-    return run
+def _from_sglang(body: dict) -> dict:
+    """SGLang's fields in this server's terms: weight_version (an int here) is the version, abort_all_requests the
+    "abort" mode; the prefix cache is always flushed, so flush_cache may only be true."""
+    body = dict(body)
+    if body.pop("flush_cache", True) is not True:
+        raise bad_request("flush_cache", "flush_cache=false is invalid: an update always forgets the prefix cache "
+                          "(KV of the old weights is never reused)")
+    if "weight_version" in body:
+        version = body.pop("weight_version")
+        body.setdefault("version", int(version) if isinstance(version, str) and version.isdigit() else version)
+    if body.pop("abort_all_requests", False):
+        body.setdefault("in_flight", "abort")
+    return body
 
 
 def _device_of(rollouts: Any) -> torch.device:
     model = getattr(rollouts, "model", None)
     return next(model.parameters()).device if model is not None else torch.device("cpu")
-
-
-# ---------------------------------------------------------------------------------------------- from a directory
-def read_checkpoint(path: Any, field: str) -> dict[str, torch.Tensor]:
-    """Every tensor of the *.safetensors files in directory `path` (one file or shards), on the CPU."""
-    from safetensors.torch import load_file
-
-    if not isinstance(path, str) or not os.path.isdir(path):
-        raise bad_request(field, f"{field}={path!r} is invalid: not a directory on the server. Fix: pass the "
-                          "directory the trainer saved (save_pretrained, safetensors)")
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not files:
-        raise bad_request(field, f"{field}={path!r} is invalid: no *.safetensors file in it. Fix: save with "
-                          "save_pretrained(..., safe_serialization=True)")
-    weights: dict[str, torch.Tensor] = {}
-    for name in files:
-        weights.update(load_file(os.path.join(path, name), device="cpu"))
-    return weights
-
-
-def _from_dir(control: Control, body: dict, field: str) -> dict:
-    return control.update(read_checkpoint(body.get(field), field), body)
-
-
-# ---------------------------------------------------------------------------------------------- from a group
-class WeightReceiver:
-    """This server's rank of a trainer's torch.distributed group (its own TCPStore and ProcessGroup, never the default
-    group): rank 0, the trainer, hosts the store at master_address:master_port; the server is rank `rank_offset`."""
-
-    def __init__(self, info: dict, device: torch.device) -> None:
-        import torch.distributed as dist
-
-        backend = info.get("backend") or ("nccl" if device.type == "cuda" else "gloo")
-        if backend not in ("gloo", "nccl") or (backend == "nccl" and device.type != "cuda"):
-            raise bad_request("init_info.backend", f"backend={backend!r} is invalid: 'gloo' (CPU tensors) or 'nccl' "
-                              f"(GPU tensors; the model is on {device})")
-        timeout = datetime.timedelta(seconds=float(info.get("timeout_s", GROUP_TIMEOUT_S)))
-        try:
-            host, port = str(info["master_address"]), int(info["master_port"])
-            rank, world_size = int(info["rank_offset"]), int(info["world_size"])
-        except (KeyError, TypeError, ValueError) as error:
-            raise bad_request("init_info", f"init_info needs master_address, master_port, rank_offset and "
-                              f"world_size ({type(error).__name__}: {error})") from None
-        self.device = device if backend == "nccl" else torch.device("cpu")
-        self.store = dist.TCPStore(host, port, world_size, False, timeout=timeout)
-        if backend == "gloo":
-            self.group = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
-        else:
-            torch.cuda.set_device(device)
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            self.group = dist.ProcessGroupNCCL(self.store, rank, world_size, options)
-
-    def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> dict[str, torch.Tensor]:
-        """Every tensor, broadcast by rank 0 one per name in this order, staged before any is applied."""
-        out: dict[str, torch.Tensor] = {}
-        for name, dtype, shape in zip(names, dtypes, shapes):
-            tensor = torch.empty(shape, dtype=dtype, device=self.device)
-            self.group.broadcast(tensor, 0).wait()
-            out[name] = tensor
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return out
-
-    def close(self) -> None:
-        self.group, self.store = None, None
-
-
-def _join(control: Control, info: dict, device: torch.device) -> None:
-    if control.group is not None:
-        control.group.close()
-        control.group = None
-    control.group = WeightReceiver(info, device)
-
-
-def _from_group(control: Control, body: dict) -> dict:
-    if control.group is None:
-        raise ApiError(409, "no weight transfer group: POST /init_weight_transfer_engine first", code="conflict")
-    names, dtypes, shapes = _update_info(body.get("update_info"))
-    return control.update(control.group.receive(names, dtypes, shapes), body)
-
-
-def _update_info(info: Any) -> tuple[list[str], list[torch.dtype], list[list[int]]]:
-    """names, dtype_names, shapes, checked so that every broadcast can be received (the group stays in step with the
-    trainer even when the weights then fail validation: that is a 400 after the transfer, nothing applied)."""
-    if not isinstance(info, dict):
-        raise bad_request("update_info", "update_info must be an object with names, dtype_names and shapes")
-    names, dtype_names, shapes = info.get("names"), info.get("dtype_names"), info.get("shapes")
-    if not (isinstance(names, list) and isinstance(dtype_names, list) and isinstance(shapes, list)
-            and len(names) == len(dtype_names) == len(shapes)):
-        raise bad_request("update_info", "update_info needs names, dtype_names and shapes: lists of one length")
-    if info.get("packed"):
-        raise bad_request("update_info.packed", "packed=True is not supported: send one broadcast per tensor")
-    dtypes = []
-    for dtype in dtype_names:
-        value = getattr(torch, str(dtype).removeprefix("torch."), None)
-        if not isinstance(value, torch.dtype):
-            raise bad_request("update_info.dtype_names", f"dtype {dtype!r} is not a torch dtype (e.g. 'bfloat16')")
-        dtypes.append(value)
-    for name, shape in zip(names, shapes):
-        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-            raise bad_request("update_info.shapes", f"the shape of {name!r}, {shape!r}, is not a list of sizes >= 0")
-    return [str(n) for n in names], dtypes, shapes
