@@ -155,7 +155,7 @@ def test_an_update_from_a_checkpoint_dir_gives_the_new_weights_logprobs_and_vers
     assert status == 200 and body == {"weight_version": "1", "policy_version": 1,
                                       "weights_fingerprint": fingerprint(models[1])}
     # SGLang's name, with the version the trainer chose
-    status, body = call(server, "POST", "/update_weights_from_disk", {"model_path": path, "version": 7})
+    status, body = call(server, "POST", "/update_weights_from_disk", {"model_path": path, "weight_version": "7"})
     assert (status, body["policy_version"]) == (200, 7)
     assert worker.policy_version == 7
 
@@ -178,6 +178,15 @@ def test_a_bad_checkpoint_is_a_400_naming_the_tensor_and_nothing_changes(admin, 
     assert status == 400 and body["error"]["param"] == "weight_dir"
     status, body = call(server, "POST", "/update_weights", {"weight_dir": str(tmp_path), "in_flight": "later"})
     assert status == 400 and body["error"]["param"] in ("weight_dir", "in_flight")
+    # a field with no meaning here is refused by name; an update from a group never joined is a conflict
+    assert call(server, "POST", "/update_weights", {"weight_dir": str(tmp_path), "load_format": "auto"})[1][
+        "error"]["param"] == "load_format"
+    assert call(server, "POST", "/update_weights_from_disk", {"model_path": str(tmp_path), "flush_cache": False})[1][
+        "error"]["param"] == "flush_cache"
+    assert call(server, "POST", "/update_weights", {"update_info": {"names": []}})[0] == 409
+    info = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 0, "world_size": 2}
+    assert call(server, "POST", "/init_weight_transfer_engine", {"init_info": info})[1]["error"]["param"] == \
+        "init_info.rank_offset"
     assert worker.weights_fingerprint() == before and worker.policy_version == 0
     assert_exact(models, row := complete(server)) and row["versions"] == [0] * 12
 
