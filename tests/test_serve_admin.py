@@ -105,6 +105,10 @@ def test_admin_routes_refuse_without_the_key(tiny_path):
         assert call(server, "POST", "/resume", {}, key="root")[0] == 200 and not worker.is_paused
         with pytest.raises(ValueError, match="admin_key"):  # beyond loopback a key is required: nothing listens
             rollout.server.Server(worker, host="0.0.0.0", port=0, admin=True)
+    with RolloutWorker(tiny_path, WorkerConfig(page_size=16)) as worker, \
+            rollout.serve(worker, port=0, model_name="tiny", api_key="user", admin=True) as server:
+        assert call(server, "GET", "/is_paused")[0] == 401  # no admin key: the API key guards them
+        assert call(server, "GET", "/is_paused", key="user") == (200, {"is_paused": False})
 
 
 def test_rollout_serve_admin_refuses_a_public_host_without_a_key_before_loading(tiny_path, capsys, monkeypatch):
@@ -195,10 +199,10 @@ def test_an_update_under_concurrent_generation_tags_every_token_with_the_version
     worker, server = admin
     models, path = versions
     rows: dict[int, dict] = {}
-    threads = [threading.Thread(target=lambda s=s: rows.__setitem__(s, complete(server, 100, seed=s)))
+    threads = [threading.Thread(target=lambda s=s: rows.__setitem__(s, complete(server, 64, seed=s)))
                for s in range(3)]
     client = openai.OpenAI(base_url=server.url, api_key="-", max_retries=0, timeout=120)
-    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=150, logprobs=0, seed=9, stream=True,
+    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=100, logprobs=0, seed=9, stream=True,
                                        extra_body={"ignore_eos": True})
     streamed = {"ids": [], "logprobs": [], "versions": [], "policy_version": None}
     for chunk in stream:
@@ -212,7 +216,7 @@ def test_an_update_under_concurrent_generation_tags_every_token_with_the_version
             status, body = call(server, "POST", "/update_weights", {"weight_dir": path, "in_flight": "recompute"})
             assert (status, body["policy_version"]) == (200, 1)
     [t.join() for t in threads]
-    assert len(streamed["ids"]) == 150 and streamed["versions"][0] == 0 and streamed["versions"][-1] == 1
+    assert len(streamed["ids"]) == 100 and streamed["versions"][0] == 0 and streamed["versions"][-1] == 1
     for row in [streamed, *rows.values(), complete(server)]:
         assert row["versions"] == sorted(row["versions"])
         assert_exact(models, row)
@@ -304,7 +308,7 @@ def test_pause_then_resume_gives_the_same_rows(admin, versions, mode):
 def test_an_update_while_paused_recomputes_the_frozen_rows(admin, versions):
     worker, server = admin
     models, path = versions
-    running = start_long(server, worker)
+    running = start_long(server, worker, 40)
     assert call(server, "POST", "/pause?mode=keep", {})[0] == 200
     status, body = call(server, "POST", "/update_weights", {"weight_dir": path, "in_flight": "wait"})
     assert status == 400 and body["error"]["param"] == "in_flight"  # waiting for frozen rows would never end
