@@ -42,13 +42,19 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(error))
     try:
         from ..server import Server
-    except ImportError as error:
+        from ..server.admin import check_admin_key
+
+        if args.admin:  # before the model loads: a server beyond loopback needs the key
+            check_admin_key(args.host, args.admin_key or args.api_key)
+    except (ImportError, ValueError) as error:
         return _fail(str(error))
     rollouts = _rollouts(args, config)
     try:
-        server = Server(rollouts, args.host, args.port, args.api_key, args.served_model_name, args.log_level, limits)
+        server = Server(rollouts, args.host, args.port, args.api_key, args.served_model_name, args.log_level, limits,
+                        admin=args.admin, admin_key=args.admin_key)
         print(f"rollout: serving {server.model_name!r} on http://{args.host}:{args.port}/v1"
-              f"{' (API key required)' if args.api_key else ''}; Ctrl-C stops", file=sys.stderr)
+              f"{' (API key required)' if args.api_key else ''}{' with the admin routes' if args.admin else ''}; "
+              "Ctrl-C stops", file=sys.stderr)
         with _sigterm_as_interrupt():
             server.run()  # uvicorn shuts down gracefully on SIGINT / SIGTERM, then raises the signal again
     except KeyboardInterrupt:
@@ -85,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     parser.add_argument("--api-key", default=os.environ.get("ROLLOUT_API_KEY"), metavar="KEY",
                         help="require Authorization: Bearer KEY on /v1/* (default: $ROLLOUT_API_KEY, else none)")
+    parser.add_argument("--admin", action="store_true", help="mount the RL control plane (/pause, /resume, /sleep, "
+                        "/wake_up, /update_weights, ...: docs/serve.md, 'Admin routes')")
+    parser.add_argument("--admin-key", default=os.environ.get("ROLLOUT_ADMIN_KEY"), metavar="KEY",
+                        help="with --admin: require Authorization: Bearer KEY on the admin routes (default: "
+                        "$ROLLOUT_ADMIN_KEY, else the --api-key; required when --host is not loopback)")
     parser.add_argument("--served-model-name", metavar="NAME", help="the `model` clients pass (default: the "
                         "checkpoint directory's name)")
     parser.add_argument("--workers", type=int, default=1, metavar="N", help="N > 1: a RolloutFleet of N workers "

@@ -13,6 +13,8 @@ The engine knows token ids and SamplingParams, nothing about tokenizers or train
   (re-run from scratch after the switch), "recompute"s its KV under the new weights, or "keep"s it; the loop is
   paused and the prefix cache forgotten (upstream/switch.py), so no later request reads KV computed with other
   weights, and every sampled token records the version that produced it.
+- holds: `hold(mode)` stops the loop until `release()` (what is in flight handled by `mode` first, new submissions
+  queue); weight updates may land meanwhile (a server's /pause, /update_weights, /resume);
 - sleeps: `sleep()` waits for what is in flight, then stops and drops the manager with its KV cache and step buffers
   (the model's weights stay); `wake()`, or the next `submit`, builds a fresh one (an empty prefix cache, so nothing
   cached before the sleep is reused, whatever the weights did meanwhile).
@@ -33,6 +35,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from ..base.batch import Row
 from ..base.config import WorkerConfig, check_in_flight
+from ..base.errors import invalid
 from ..base.params import SamplingParams
 from ..moe import Routing, find_routers
 from . import cuda, sizing
@@ -82,6 +85,8 @@ class Engine:
         self._calls: list[Call] = []  # submitted and not settled yet
         self._updating = False
         self._closed = False
+        self._held = False  # hold() until release(): the loop stays paused, on every manager built meanwhile
+        self._hold = None  # the loop pause hold() entered on the current manager
         self.counters = Counters()  # the rest of what metrics() reports; kept across restarts and sleeps
         self._driver = EpisodeDriver(self._cond, self.counters, config.env_threads, self._submit,
                                      lambda: self.version)
@@ -158,10 +163,14 @@ class Engine:
         freed (returned to the device with `empty_cache`); the model's weights stay. A no-op when asleep."""
         with self._cond:
             self._cond.wait_for(lambda: not self._updating)
+            if self._frozen():
+                raise RuntimeError(f"cannot sleep: the engine is paused with {self._frozen()} requests frozen, "
+                                   "which would never finish. Fix: resume first")
             self._updating = True
         try:
             self._drain()
             with self._cond:
+                self._release_loop()  # a held engine stays held: the manager built at wake pauses at once
                 manager, self._manager = self._manager, None
             if manager is not None:
                 manager.stop(block=True, timeout=30)  # joins the thread, drops the batch processor
@@ -183,6 +192,7 @@ class Engine:
     def _wake_locked(self) -> None:
         if self._manager is None and not self._closed:
             self._manager = self._build_manager()
+            self._pause_loop()
 
     def close(self) -> None:
         with self._cond:
@@ -191,6 +201,7 @@ class Engine:
             self._cond.notify_all()
         self._supervisor.join(timeout=30)
         self._driver.shutdown()
+        self._release_loop()  # a paused loop never sees the stop
         manager, self._manager = self._manager, None
         if manager is not None and manager.has_thread():
             manager.stop(block=True, timeout=30)
@@ -204,10 +215,12 @@ class Engine:
         LOG.warning("rollout: the engine thread died (%s); rebuilding the engine and re-running its %d requests "
                     "(restart %d)", "no error recorded" if error is None else f"{type(error).__name__}: {error}",
                     len(self._requests.pending), self.num_restarts + 1)
+        self._release_loop()  # the dead manager's pause, if held (re-taken on the new one)
         with contextlib.suppress(Exception):
             old.stop(block=True, timeout=30)
         self.num_restarts += 1
         self._manager = self._build_manager()
+        self._pause_loop()
         self._requests.lost()
 
     # ------------------------------------------------------------------ engine-thread callbacks
@@ -436,6 +449,9 @@ class Engine:
         check_in_flight(mode)
         with self._cond:
             self._cond.wait_for(lambda: not self._updating)
+            if mode == "wait" and self._frozen():
+                raise invalid("in_flight", mode, f"the engine is paused with {self._frozen()} requests frozen, "
+                              "which would never finish", "pass 'recompute', 'keep' or 'abort', or resume first")
             self._updating = True
         fenced, recomputed = time.perf_counter(), 0
         aborted: list[Sample] = []
@@ -482,6 +498,50 @@ class Engine:
         with self._manager.pause():
             yield
 
+    # ------------------------------------------------------------------ hold / release (pause / resume)
+    @property
+    def is_held(self) -> bool:
+        return self._held
+
+    def hold(self, mode: str = "keep") -> None:
+        """Stop generating until `release()`. What is in flight is handled by `mode` first: "wait" finishes it,
+        "abort" cancels it (re-run from scratch after the release), "keep" freezes it where it is (continued after the
+        release). Submissions made meanwhile are accepted and queue. Weight updates may land while held, with their
+        own in_flight mode ("wait" is refused while frozen work exists: it would never finish). A no-op if held."""
+        check_in_flight(mode)
+        if mode == "recompute":
+            raise invalid("in_flight", mode, "a pause takes 'wait', 'abort' or 'keep'",
+                          "pass in_flight='recompute' to the weight update made while paused")
+        if self._held:
+            return
+        with self.exclusive(mode, invalidate=False):
+            with self._cond:
+                self._held = True
+                self._pause_loop()
+
+    def release(self) -> None:
+        """Resume generating after `hold()` (a no-op when not held)."""
+        with self._cond:
+            self._held = False
+            self._release_loop()
+            self._cond.notify_all()
+
+    def _pause_loop(self) -> None:
+        """While held, keep the current manager's loop paused (lock held)."""
+        if self._held and self._hold is None and self._manager is not None:
+            self._hold = LoopHold(self._manager)
+
+    def _release_loop(self) -> None:
+        hold, self._hold = self._hold, None
+        if hold is not None:
+            hold.release()
+
+    def _frozen(self) -> int:
+        """Requests a hold keeps from finishing: waiting for them would never end (lock held)."""
+        if not self._held:
+            return 0
+        return len(self._requests.pending) + len(self._requests.rerun) + len(self._driver.stepping)
+
     def _drain(self) -> None:
         with self._cond:
             while not self._cond.wait_for(lambda: self._requests.idle() and not self._driver.stepping,
@@ -524,10 +584,40 @@ class Engine:
         return counters, now
 
     def forget_prefix_cache(self) -> None:
-        """No request submitted from now on can match KV computed before (see switch.py)."""
+        """No request submitted from now on can match KV computed before (see switch.py); inside `paused()`."""
+        if self._manager is None:  # asleep: waking builds an empty cache
+            return
         switch.forget_prefix_cache(self._manager)
         if self._recorder is not None:
             self._recorder.forget()
+
+
+class LoopHold:
+    """A manager's loop kept paused from a thread of its own, until `release()`: upstream counts pauses per thread
+    (a thread inside one may not stop the manager), so the thread that takes a pause must be the one that leaves it,
+    whichever threads call hold and release."""
+
+    def __init__(self, manager) -> None:
+        self._entered, self._done = threading.Event(), threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(manager,), daemon=True, name="rollout-hold")
+        self._thread.start()
+        self._entered.wait()
+        if self._error is not None:
+            raise self._error
+
+    def _run(self, manager) -> None:
+        try:
+            with manager.pause():
+                self._entered.set()
+                self._done.wait()
+        except BaseException as error:  # noqa: BLE001  (raised by the constructor)
+            self._error = error
+            self._entered.set()
+
+    def release(self) -> None:
+        self._done.set()
+        self._thread.join()
 
 
 def _check_logprobs(tokens: list[int], logprobs: list[float], entry: Entry) -> None:

@@ -12,8 +12,9 @@ bodies), `backend.py` (the rollout side seen from the event loop), `episodes.py`
 `score`), `tokens.py` (vLLM's token-in/token-out endpoints), `turns.py` (a Responses API request, read as the chat
 request it runs as), `items.py` (Responses items and tools in chat shapes, and back), `replies.py` (the Responses
 object and its events), `store.py` (the responses kept for `previous_response_id`), `limits.py` (how much one
-request may ask), `app.py` (the FastAPI routes), `server.py` (the handle and `serve`), `errors.py` (OpenAI's error
-shape). Docs: docs/serve.md.
+request may ask), `app.py` (the FastAPI routes), `admin.py` and `transfer.py` (the RL control plane, only with
+`--admin`: pause, sleep, weight updates, and where their tensors come from), `server.py` (the handle and `serve`),
+`errors.py` (OpenAI's error shape). Docs: docs/serve.md.
 """
 
 from .episodes import EpisodeBatch, EpisodeRecorder

@@ -33,13 +33,18 @@ class Server:
     """host / port: where to listen (loopback by default; port 0 picks a free one, see `port`). api_key: when set,
     /v1/* needs `Authorization: Bearer <api_key>`. model_name: the name clients pass as `model` (default: the
     checkpoint directory's name, else the model's `name_or_path`). limits: how much one request may ask
-    (RequestLimits: n, prompts, stop strings, JSON nesting)."""
+    (RequestLimits: n, prompts, stop strings, JSON nesting). admin: mount the RL control plane (admin.py: pause,
+    sleep, weight updates; off by default), behind `admin_key` (else `api_key`); a key is required beyond loopback."""
 
     def __init__(self, rollouts: Rollouts, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | None = None,
                  model_name: str | None = None, log_level: str = "warning",
-                 limits: RequestLimits | None = None) -> None:
+                 limits: RequestLimits | None = None, admin: bool = False, admin_key: str | None = None) -> None:
         uvicorn = _import("uvicorn")
+        from . import admin as control_plane
         from .app import build_app
+
+        if admin:
+            control_plane.check_admin_key(host, admin_key or api_key)
 
         tokenizer = rollouts.tokenizer
         self.rollouts = rollouts
@@ -50,6 +55,9 @@ class Server:
         service = Service(self.backend, ChatFormat(tokenizer), self.recorder, self.model_name, limits_of(rollouts),
                           self.scorer, limits or RequestLimits())
         app = build_app(service, api_key, lambda: int(rollouts.policy_version))
+        self.control = control_plane.Control(rollouts) if admin else None
+        if self.control is not None:
+            control_plane.mount(app, self.control, admin_key or api_key, service.request_limits)
         # keep-alive longer than clients keep idle connections (httpx, under openai: 5 s), so the client is the one
         # that closes them: at uvicorn's own 5 s the two race, and a request sent on a connection the server is
         # closing fails with "Server disconnected without sending a response" (the agent example hit it after a
@@ -109,6 +117,8 @@ class Server:
             self._thread.join(timeout=30)
         self.backend.close()
         self.scorer.close()
+        if self.control is not None:
+            self.control.close()
 
     def __enter__(self) -> "Server":
         return self
@@ -119,11 +129,11 @@ class Server:
 
 def serve(rollouts: Rollouts, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | None = None,
           model_name: str | None = None, *, max_n: int = 128, max_prompts: int = 2048, max_stop: int = 64,
-          max_json_depth: int = 64) -> Server:
+          max_json_depth: int = 64, admin: bool = False, admin_key: str | None = None) -> Server:
     """Serve `rollouts` (a RolloutWorker or RolloutFleet) over OpenAI's HTTP API on a background thread. The max_*
-    bound one request (RequestLimits; a request past one is a 400 naming it)."""
+    bound one request (RequestLimits; a request past one is a 400 naming it); `admin`: the control plane (admin.py)."""
     limits = RequestLimits(max_n, max_prompts, max_stop, max_json_depth)
-    return Server(rollouts, host, port, api_key, model_name, limits=limits).start()
+    return Server(rollouts, host, port, api_key, model_name, limits=limits, admin=admin, admin_key=admin_key).start()
 
 
 def limits_of(rollouts: Rollouts) -> Limits:

@@ -354,6 +354,27 @@ class RolloutWorker:
         finally:
             self._leave_generation_mode()
 
+    # ------------------------------------------------------------------ pause
+    def pause(self, in_flight: str = "keep") -> None:
+        """Stop generating until `resume()` (a trainer's update window; a server's /pause). What is in flight: "keep"
+        freezes it where it is, "wait" lets it finish first, "abort" re-runs it from scratch after the resume. Calls
+        made meanwhile are accepted and wait. Weight updates may land while paused, with their own `in_flight`
+        ("recompute": frozen requests continue exact under the new weights; "wait" is refused while any is frozen)."""
+        self.engine.hold(in_flight)
+
+    def resume(self) -> None:
+        """Generate again after `pause()` (a no-op when not paused)."""
+        self.engine.release()
+
+    @property
+    def is_paused(self) -> bool:
+        return self.engine.is_held
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (requests in flight keep their own KV): later requests prefill in full."""
+        with self.engine.paused():
+            self.engine.forget_prefix_cache()
+
     # ------------------------------------------------------------------ observability
     def metrics(self) -> WorkerMetrics:
         """A snapshot of what this worker has done since it started (counters: tokens, rows by finish reason,

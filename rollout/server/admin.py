@@ -1,0 +1,239 @@
+"""Admin: the RL control plane over HTTP, mounted only by `rollout serve --admin` (`Server(admin=True)`).
+
+Under vLLM's endpoint names (its RLHF router, `vllm/entrypoints/serve/rlhf`, and sleep mode), where vLLM has one:
+
+    POST /pause?mode=abort|wait|keep     stop generating (what is in flight: the worker's `pause(in_flight=...)`)
+    POST /resume, GET /is_paused         {"is_paused": bool}
+    POST /sleep?level=1, POST /wake_up   free / re-allocate the KV cache (weights stay); GET /is_sleeping
+    POST /reset_prefix_cache             forget every cached prefix
+    POST /init_weight_transfer_engine    {"init_info": {master_address, master_port, rank_offset, world_size, backend}}
+    POST /update_weights                 {"update_info": {names, dtype_names, shapes}}: tensors broadcast by rank 0
+                                         of that group, one per name (vLLM's NCCL engine, unpacked); or
+                                         {"weight_dir": DIR} (prime-rl's body): a safetensors checkpoint directory
+    POST /update_weights_from_disk       {"model_path": DIR} (SGLang's name, which slime and AReaL call)
+    GET  /get_weight_version             {"weight_version": "N", "policy_version": N, "weights_fingerprint": "..."}
+
+Where the tensors come from: transfer.py.
+Every update takes `version` (default: + 1) and `in_flight` ("wait", "abort", "recompute", "keep"; default: the
+worker's own, or "recompute" while paused, since waiting for frozen requests would never end), is validated whole
+(names, shapes, finite values) before any weight changes, lands atomically through the rollout side's
+`update_weights`, and answers the new `policy_version`. A bad one is a 400 naming the tensor, and nothing changed.
+Operations run one at a time on one thread of their own, off the event loop: generation goes on meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+from fastapi import Depends, FastAPI, Query, Request
+
+from ..base.errors import invalid
+from .errors import ApiError, bad_request, from_value_error
+from .limits import RequestLimits, read_json
+from .transfer import WeightReceiver, known_fields, parse_update_info, read_checkpoint
+
+PAUSE_MODES = ("abort", "wait", "keep")  # vLLM's; the worker also has "recompute", which only an update can mean
+UPDATE = ("version", "in_flight")  # what every update body may add to its source
+SGLANG = ("weight_version", "abort_all_requests", "flush_cache")  # /update_weights_from_disk's fields that mean here
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_admin_key(host: str, admin_key: str | None) -> None:
+    """The control plane changes the weights every client is served: beyond loopback it needs a key."""
+    if admin_key is None and not is_loopback(host):
+        raise invalid("admin_key", None, f"the admin routes need a key when the server listens beyond loopback "
+                      f"(host {host!r})", "pass --admin-key KEY (or set ROLLOUT_ADMIN_KEY), or listen on 127.0.0.1")
+
+
+class Control:
+    """The rollout side's control operations, run one at a time on a thread of their own."""
+
+    def __init__(self, rollouts: Any) -> None:
+        self.rollouts = rollouts
+        self.group: WeightReceiver | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-admin")
+
+    async def run(self, fn: Callable, *args) -> Any:
+        """fn(*args) on the admin thread; a ValueError (a bad tensor, version or mode) is a 400 naming it."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        except ValueError as error:
+            raise from_value_error(error) from None
+
+    def method(self, name: str) -> Callable:
+        fn = getattr(self.rollouts, name, None)
+        if fn is None:
+            raise ApiError(501, f"{type(self.rollouts).__name__} has no {name}(): this route needs a RolloutWorker "
+                           "(rollout serve without --workers)", code="not_implemented")
+        return fn
+
+    def sleep(self) -> None:
+        try:
+            self.method("sleep")()
+        except RuntimeError as error:  # a state conflict (paused with requests frozen), not a failure
+            raise ApiError(409, str(error), code="conflict") from None
+
+    def update(self, weights: dict[str, torch.Tensor], version: Any = None, in_flight: Any = None) -> dict:
+        if in_flight is None and getattr(self.rollouts, "is_paused", False):
+            in_flight = "recompute"  # waiting for requests a pause froze would never end
+        new = self.rollouts.update_weights(weights, version=version, in_flight=in_flight)
+        return {"success": True, "message": "Weights updated", "policy_version": int(new)}
+
+    def join(self, info: dict, device: torch.device) -> None:
+        self.group = None  # a new group replaces the last (its store and process group are dropped with it)
+        self.group = WeightReceiver(info, device)
+
+    def from_group(self, body: dict) -> dict:
+        if self.group is None:
+            raise ApiError(409, "no weight transfer group: POST /init_weight_transfer_engine first", code="conflict")
+        names, dtypes, shapes = parse_update_info(body["update_info"])
+        return self.update(self.group.receive(names, dtypes, shapes), body.get("version"), body.get("in_flight"))
+
+    def from_dir(self, body: dict, field: str) -> dict:
+        return self.update(read_checkpoint(body.get(field), field), body.get("version"), body.get("in_flight"))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.group = None
+
+
+def mount(app: FastAPI, control: Control, key: str | None, limits: RequestLimits) -> None:
+    """Add the admin routes to `app`, each behind `key` when one is given."""
+    guard = [Depends(_authorizer(key))]
+    _generation_routes(app, control, guard)
+    _weight_routes(app, control, guard, limits)
+
+
+def _authorizer(key: str | None) -> Callable[[Request], None]:
+    """`Authorization: Bearer KEY` on every admin route: 401 without one, 403 with another."""
+    def authorize(request: Request) -> None:
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not given:
+            raise ApiError(401, "the admin routes need Authorization: Bearer <admin key>. Fix: send the key given to "
+                           "rollout serve --admin-key", code="invalid_api_key")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise ApiError(403, "wrong admin key. Fix: send the key given to rollout serve --admin-key",
+                           code="forbidden")
+
+    return authorize
+
+
+def _generation_routes(app: FastAPI, control: Control, guard: list) -> None:
+    """pause / resume, sleep / wake_up, the prefix cache."""
+    rollouts = control.rollouts
+
+    @app.post("/pause", dependencies=guard)
+    async def pause(mode: str = "abort") -> dict:
+        if mode not in PAUSE_MODES:
+            raise bad_request("mode", f"mode={mode!r} is invalid: must be one of {PAUSE_MODES}. Fix: 'keep' freezes "
+                              "requests in flight, 'wait' finishes them, 'abort' re-runs them after /resume")
+        await control.run(control.method("pause"), mode)
+        return {"status": "paused"}
+
+    @app.post("/resume", dependencies=guard)
+    async def resume() -> dict:
+        await control.run(control.method("resume"))
+        return {"status": "resumed"}
+
+    @app.get("/is_paused", dependencies=guard)
+    async def is_paused() -> dict:
+        return {"is_paused": bool(getattr(rollouts, "is_paused", False))}
+
+    @app.post("/sleep", dependencies=guard)
+    async def sleep(level: int = 1) -> dict:
+        if level != 1:
+            raise bad_request("level", f"level={level} is invalid: only level 1 (the KV cache is freed, the weights "
+                              "stay). Fix: use level=1, and update the weights with /update_weights")
+        await control.run(control.sleep)
+        return {"status": "sleeping"}
+
+    @app.post("/wake_up", dependencies=guard)
+    async def wake_up(tags: list[str] | None = Query(None)) -> dict:
+        if tags and not set(tags) <= {"weights", "kv_cache"}:
+            raise bad_request("tags", f"tags={tags} is invalid: must be among 'weights', 'kv_cache' (the weights never "
+                              "leave; either wakes the KV cache)")
+        await control.run(control.method("wake"))
+        return {"status": "awake"}
+
+    @app.get("/is_sleeping", dependencies=guard)
+    async def is_sleeping() -> dict:
+        return {"is_sleeping": bool(getattr(rollouts, "is_sleeping", False))}
+
+    @app.post("/reset_prefix_cache", dependencies=guard)
+    async def reset_prefix_cache() -> dict:
+        await control.run(control.method("reset_prefix_cache"))
+        return {"status": "ok"}
+
+
+def _weight_routes(app: FastAPI, control: Control, guard: list, limits: RequestLimits) -> None:
+    """Updates from a checkpoint directory or a trainer's group, and the version they made."""
+    rollouts = control.rollouts
+
+    async def body_of(request: Request, allowed: tuple[str, ...]) -> dict:
+        body = read_json(await request.body() or b"{}", limits)
+        if not isinstance(body, dict):
+            raise bad_request(None, "the body must be a JSON object")
+        known_fields(body, allowed)
+        return body
+
+    @app.get("/get_weight_version", dependencies=guard)
+    async def weight_version() -> dict:
+        fingerprint = await control.run(rollouts.weights_fingerprint)
+        version = int(rollouts.policy_version)
+        return {"weight_version": str(version), "policy_version": version, "weights_fingerprint": fingerprint}
+
+    @app.post("/init_weight_transfer_engine", dependencies=guard)
+    async def init_weight_transfer_engine(request: Request) -> dict:
+        info = (await body_of(request, ("init_info",))).get("init_info")
+        if not isinstance(info, dict):
+            raise bad_request("init_info", "init_info is missing: send {\"init_info\": {\"master_address\", "
+                              "\"master_port\", \"rank_offset\", \"world_size\", \"backend\"}}")
+        await control.run(control.join, info, _device_of(rollouts))
+        return {"message": "Weight transfer initialized"}
+
+    @app.post("/update_weights", dependencies=guard)
+    async def update_weights(request: Request) -> dict:
+        body = await body_of(request, ("update_info", "weight_dir") + UPDATE)
+        if "update_info" in body:
+            return await control.run(control.from_group, body)
+        return await control.run(control.from_dir, body, "weight_dir")
+
+    @app.post("/update_weights_from_disk", dependencies=guard)
+    async def update_weights_from_disk(request: Request) -> dict:
+        body = _from_sglang(await body_of(request, ("model_path",) + UPDATE + SGLANG))
+        return await control.run(control.from_dir, body, "model_path")
+
+
+def _from_sglang(body: dict) -> dict:
+    """SGLang's fields in this server's terms: weight_version (an int here) is the version, abort_all_requests the
+    "abort" mode; the prefix cache is always flushed, so flush_cache may only be true."""
+    body = dict(body)
+    if body.pop("flush_cache", True) is not True:
+        raise bad_request("flush_cache", "flush_cache=false is invalid: an update always forgets the prefix cache "
+                          "(KV of the old weights is never reused)")
+    if "weight_version" in body:
+        version = body.pop("weight_version")
+        body.setdefault("version", int(version) if isinstance(version, str) and version.isdigit() else version)
+    if body.pop("abort_all_requests", False):
+        body.setdefault("in_flight", "abort")
+    return body
+
+
+def _device_of(rollouts: Any) -> torch.device:
+    model = getattr(rollouts, "model", None)
+    return next(model.parameters()).device if model is not None else torch.device("cpu")

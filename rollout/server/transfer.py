@@ -1,0 +1,124 @@
+"""Where an admin weight update's tensors come from (admin.py): a checkpoint directory on the server's disk, or a
+trainer's torch.distributed group. Both stage every tensor on this side; the rollout side's `update_weights` then
+validates them all (names, shapes, finite values) before any weight changes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+
+from .errors import ApiError, bad_request
+
+GROUP_TIMEOUT_S = 300
+INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size", "backend", "timeout_s")
+UPDATE_FIELDS = ("names", "dtype_names", "shapes", "packed")
+
+
+def known_fields(body: dict, allowed: tuple[str, ...], where: str = "") -> None:
+    """A field with no meaning here is refused by name, never dropped."""
+    for name in body:
+        if name not in allowed:
+            field = f"{where}.{name}" if where else name
+            raise bad_request(field, f"{field} is not supported here. Fix: send only {', '.join(allowed)}")
+
+
+def read_checkpoint(path: Any, field: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the *.safetensors files in directory `path` (one file or shards), on the CPU."""
+    from safetensors.torch import load_file
+
+    if not isinstance(path, str) or not os.path.isdir(path):
+        raise bad_request(field, f"{field}={path!r} is invalid: not a directory on the server. Fix: pass the "
+                          "directory the trainer saved (save_pretrained, safetensors)")
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise bad_request(field, f"{field}={path!r} is invalid: no *.safetensors file in it. Fix: save with "
+                          "save_pretrained(..., safe_serialization=True)")
+    weights: dict[str, torch.Tensor] = {}
+    for name in files:
+        weights.update(load_file(os.path.join(path, name), device="cpu"))
+    return weights
+
+
+class WeightReceiver:
+    """This server's rank of a trainer's torch.distributed group (its own TCPStore and ProcessGroup, never the default
+    group): rank 0, the trainer, hosts the store at master_address:master_port; the server is rank `rank_offset`.
+    Construction returns once every rank has joined."""
+
+    def __init__(self, info: dict, device: torch.device) -> None:
+        import torch.distributed as dist
+
+        known_fields(info, INIT_FIELDS, "init_info")
+        backend = info.get("backend") or ("nccl" if device.type == "cuda" else "gloo")
+        if backend not in ("gloo", "nccl") or (backend == "nccl" and device.type != "cuda"):
+            raise bad_request("init_info.backend", f"backend={backend!r} is invalid: 'gloo' (CPU tensors) or 'nccl' "
+                              f"(GPU tensors; the model is on {device})")
+        host, port, rank, world_size, timeout = _rendezvous(info)
+        self.device = device if backend == "nccl" else torch.device("cpu")
+        try:
+            self.store = dist.TCPStore(host, port, world_size, False, timeout=timeout)
+            if backend == "gloo":
+                self.group = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
+            else:
+                torch.cuda.set_device(device)
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = timeout
+                self.group = dist.ProcessGroupNCCL(self.store, rank, world_size, options)
+        except RuntimeError as error:  # torch.distributed's errors (a store that never answers, a rank taken)
+            raise ApiError(504, f"could not join the trainer's group at {host}:{port} as rank {rank} of {world_size} "
+                           f"({type(error).__name__}: {error}). Fix: build rank 0 (TCPStore(is_master=True), then "
+                           "the process group) while this request waits", code="group_unreachable") from None
+
+    def receive(self, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]]) -> dict[str, torch.Tensor]:
+        """Every tensor, broadcast by rank 0 one per name in this order, staged before any is applied."""
+        out: dict[str, torch.Tensor] = {}
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            tensor = torch.empty(shape, dtype=dtype, device=self.device)
+            self.group.broadcast(tensor, 0).wait()
+            out[name] = tensor
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return out
+
+
+def _rendezvous(info: dict) -> tuple[str, int, int, int, datetime.timedelta]:
+    try:
+        host, port = str(info["master_address"]), int(info["master_port"])
+        rank, world_size = int(info["rank_offset"]), int(info["world_size"])
+        timeout = datetime.timedelta(seconds=float(info.get("timeout_s", GROUP_TIMEOUT_S)))
+    except (KeyError, TypeError, ValueError) as error:
+        raise bad_request("init_info", f"init_info needs master_address, master_port, rank_offset and world_size "
+                          f"({type(error).__name__}: {error})") from None
+    if not 0 < rank < world_size:
+        raise bad_request("init_info.rank_offset", f"rank_offset={rank} is invalid: must be in [1, world_size="
+                          f"{world_size}); rank 0 is the trainer")
+    return host, port, rank, world_size, timeout
+
+
+def parse_update_info(info: Any) -> tuple[list[str], list[torch.dtype], list[list[int]]]:
+    """names, dtype_names, shapes, checked so that every broadcast can be received (the group stays in step with the
+    trainer even when the weights then fail validation: that is a 400 after the transfer, nothing applied)."""
+    if not isinstance(info, dict):
+        raise bad_request("update_info", "update_info must be an object with names, dtype_names and shapes")
+    known_fields(info, UPDATE_FIELDS, "update_info")
+    names, dtype_names, shapes = info.get("names"), info.get("dtype_names"), info.get("shapes")
+    if not (isinstance(names, list) and isinstance(dtype_names, list) and isinstance(shapes, list)
+            and len(names) == len(dtype_names) == len(shapes)):
+        raise bad_request("update_info", "update_info needs names, dtype_names and shapes: lists of one length")
+    if info.get("packed"):
+        raise bad_request("update_info.packed", "packed=True is not supported: send one broadcast per tensor")
+    dtypes = [_dtype(d) for d in dtype_names]
+    for name, shape in zip(names, shapes):
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise bad_request("update_info.shapes", f"the shape of {name!r}, {shape!r}, is not a list of sizes >= 0")
+    return [str(n) for n in names], dtypes, shapes
+
+
+def _dtype(name: Any) -> torch.dtype:
+    value = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype):
+        raise bad_request("update_info.dtype_names", f"dtype {name!r} is not a torch dtype (e.g. 'bfloat16')")
+    return value
