@@ -113,7 +113,6 @@ class Engine:
         table = SlotTable(self.model.device, SLOTS_PER_BATCH_ROW * self.config.max_requests_per_batch, self._row_spec,
                           self._requests.is_pending,
                           vocab_size=self.model.get_output_embeddings().weight.shape[0])
-        self._slots = table
         hooks = Hooks(on_output=self._on_output, on_sampled=self._record, on_prefix_hit=self._on_prefix_hit,
                       on_split=self._on_split, on_schedule=self.counters.kv_step, on_preempt=self._on_preempt,
                       on_step=self._trace_step)
@@ -337,7 +336,6 @@ class Engine:
         """Requests soft reset under KV pressure (engine thread): counted, and their routing re-recorded at their
         re-prefill."""
         self.counters.preempted(len(request_ids))
-        self._slots.forget(request_ids)
         if self._recorder is not None:
             self._recorder.soft_reset(request_ids)
 

@@ -60,10 +60,18 @@ class RolloutManager(ContinuousBatchingManager):
         scheduler = processor.scheduler
         scheduler.on_prefix_hit, scheduler.on_split = hooks.on_prefix_hit, hooks.on_split
         scheduler.on_schedule = hooks.on_schedule
-        RolloutOffloading.adopt(processor.offloading_manager, hooks.on_preempt)
+        RolloutOffloading.adopt(processor.offloading_manager, lambda ids: self._preempted(row_slots, hooks, ids))
         RolloutModelRunner.adopt(processor.model_runner)
         RolloutIOs.adopt(processor.inputs_and_outputs, hooks.on_sampled)
         row_slots.table.stream = processor.inputs_and_outputs.compute_stream
+
+    @staticmethod
+    def _preempted(row_slots: RowSlotArgs, hooks: Hooks, request_ids: list[str]) -> None:
+        """Soft reset requests give their slots back (a re-admitted one is written again from the tokens it holds),
+        then the engine hears of them. The slot table lives as long as this manager: nothing else keeps it, so a
+        dropped manager (sleep, restart) frees its cache."""
+        row_slots.table.forget(request_ids)
+        hooks.on_preempt(request_ids)
 
     @property
     def max_request_tokens(self) -> int:
