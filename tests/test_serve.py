@@ -365,6 +365,18 @@ def test_bad_requests_are_openai_errors_and_submit_nothing(served):
     assert chat(client, max_tokens=2).choices[0].finish_reason in ("stop", "length")  # and it still serves
 
 
+def test_a_completions_prompt_refused_is_named_as_the_request_spelled_it(served):
+    """Found by benchmarks/chaos.py: a completions request with prompt_token_ids got 400s naming `prompt`."""
+    _, server, _ = served
+    cases = [({"prompt_token_ids": [1, 99999]}, "prompt_token_ids"),
+             ({"prompt_token_ids": [7] * 1100}, "prompt_token_ids"),  # past the 1024-token context
+             ({"prompt": [1, 99999]}, "prompt"), ({"prompt": "word " * 2000}, "prompt")]
+    for fields, param in cases:
+        body = json.dumps({"model": "tiny", "max_tokens": 4, **fields}).encode()
+        status, payload = http(f"{server.url}/completions", body)
+        assert (status, payload["error"]["param"]) == (400, param), (fields, payload)
+
+
 def test_a_400_names_the_parameter_from_the_errors_field_not_from_its_text():
     from rollout.base.errors import invalid
     from rollout.server.errors import from_value_error

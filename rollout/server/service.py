@@ -156,9 +156,7 @@ class Service:
 
     @staticmethod
     def _prompt_field(request: Request) -> str:
-        if request.messages is not None:
-            return "messages"
-        return "prompt" if request.kind == "completion" and request.prompts is not None else "prompt_token_ids"
+        return request.prompt_param
 
     # ------------------------------------------------------------------ running
     async def start(self, request: Request, prepared: Prepared) -> Generation | None:
