@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import psutil
@@ -53,8 +55,9 @@ def resources() -> dict:
     process = psutil.Process()
     alive = sum(1 for a in ray._private.state.actors().values()
                 if a.get("State") == "ALIVE" and "FleetActor" in a.get("ActorClassName", ""))
+    names = Counter(re.sub(r"[-_]?\d+", "", t.name) for t in threading.enumerate())
     return dict(rss_mb=round(process.memory_info().rss / 2**20, 1), fds=process.num_fds(),
-                threads=threading.active_count(), actors_alive=alive)
+                threads=threading.active_count(), actors_alive=alive, thread_names=dict(names))
 
 
 def warm_up(rig: Rig) -> None:

@@ -142,23 +142,31 @@ def fleet_trainer(rig: Rig, step_s: float = 0.0) -> None:
     step = 0
     while not rig.stop.is_set():
         step += 1
-        prompts = draw_prompts(rng, rng.randint(2, 6))
-        params = [draw_params(rng) for _ in prompts]
-        batch = calls.generate(prompts, params)
-        if rig.stop.is_set():
-            break
-        mode = MODES[step % len(MODES)]
-        long = [SamplingParams(n=2, max_new_tokens=rng.randint(24, 64), ignore_eos=True,
-                               seed=rng.randrange(1 << 20)) for _ in range(3)]
-        calls.submit(draw_prompts(rng, 3), long, op="submit_update", during=lambda: calls.update(mode))
-        env_prompts = draw_prompts(rng, 2, 20)
-        calls.generate(env_prompts, [SamplingParams(n=2, max_new_tokens=8, ignore_eos=True)] * 2, op="episodes",
-                       env=ChaosEnvs(), max_turns=3, env_timeout=30.0)
-        if batch is not None and len(batch):
-            calls.score(rows_of(batch, params)[:4])
-        if step % 4 == 0 and not rig.stop.is_set():
-            collect(rig, rng, calls)
+        for action in _trainer_step(rig, rng, calls, step):
+            if rig.stop.is_set():
+                return
+            action()
         time.sleep(step_s)
+
+
+def _trainer_step(rig: Rig, rng: random.Random, calls: FleetCalls, step: int) -> list:
+    prompts = draw_prompts(rng, rng.randint(2, 6))
+    params = [draw_params(rng) for _ in prompts]
+    made = []
+    mode = MODES[step % len(MODES)]
+    long = [SamplingParams(n=2, max_new_tokens=rng.randint(24, 64), ignore_eos=True, seed=rng.randrange(1 << 20))
+            for _ in range(3)]
+    long_prompts, env_prompts = draw_prompts(rng, 3), draw_prompts(rng, 2, 20)
+    actions = [
+        lambda: made.append(calls.generate(prompts, params)),
+        lambda: calls.submit(long_prompts, long, op="submit_update", during=lambda: calls.update(mode)),
+        lambda: calls.generate(env_prompts, [SamplingParams(n=2, max_new_tokens=8, ignore_eos=True)] * 2,
+                               op="episodes", env=ChaosEnvs(), max_turns=3, env_timeout=30.0),
+        lambda: made[0] is not None and len(made[0]) and calls.score(rows_of(made[0], params)[:4]),
+    ]
+    if step % 4 == 0:
+        actions.append(lambda: collect(rig, rng, calls))
+    return actions
 
 
 def collect(rig: Rig, rng: random.Random, calls: FleetCalls) -> None:
