@@ -24,7 +24,7 @@ from soak.traffic import params_dict  # noqa: E402
 
 QUIET = dict(pending=0, calls=0, ledger=0, requests_running=0, requests_waiting=0, kv_pages_used=0, engine_restarts=0,
              preemptions=0, version=0)
-RESOURCES = dict(rss_mb=500.0, fds=40, threads=30, actors_alive=2)
+RESOURCES = dict(rss_mb=500.0, fds=40, threads=30, actors_alive=2, thread_names={"MainThread": 1, "rollout-fleet": 1})
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +76,7 @@ def broken(recorded: dict, how) -> dict:
     (lambda h, c, e: e.update(outcome="error", rows=[], error=dict(type="RuntimeError", message="boom")), "returns"),
     (lambda h, c, e: h["probes"]["server"].update(kv_pages_used=3), "end state"),  # pages never freed
     (lambda h, c, e: h["probes"]["final"].update(fds=400), "end state"),  # file descriptors leaked
+    (lambda h, c, e: h["probes"]["final"]["thread_names"].update(chaos=1), "end state"),  # a thread left running
     (lambda h, c, e: h["probes"]["final"].update(actors_alive=3), "end state"),  # an actor left in Ray
 ])
 def test_each_broken_promise_is_a_violation_of_its_own_check(recorded, how, check):

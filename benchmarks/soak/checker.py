@@ -15,7 +15,7 @@ Checks (each violation names the call or fault, and the run's seed reproduces it
               score results likewise; every update's fingerprint is the fingerprint of the weights sent.
 - replay:     seeded rows generated on one version equal a fault-free replay (replay.py).
 - end state:  no requests, ledger entries or KV pages left on any engine, every actor slot live and no extra actor
-              in Ray, threads and file descriptors back to the warmed-up baseline, RSS growth bounded.
+              in Ray, threads back to the warmed-up baseline (pools within their caps), file descriptors too, RSS growth bounded.
 """
 
 from __future__ import annotations
@@ -39,7 +39,11 @@ EXPLAINS = {
     "node_kill": ("died", "actor", "node"),
     "update_abort": ("aborted_by_weight_update",),
 }
-SLACK = dict(threads=8, fds=32, rss_mb=300.0, rss_fraction=0.5)
+SLACK = dict(fds=32, rss_mb=300.0, rss_fraction=0.5)
+# thread pools that grow on demand up to a cap and keep their idle threads (name, digits stripped -> cap): any other
+# group of threads must be back to its baseline count at the end
+POOLS = {"rollout-serve": 8 + 1, "rollout-fleet": 16, "AnyIO worker thread": 40, "rollout-env": 64,
+         "rollout-reward": 4, "rollout-serve-score": 1}
 
 
 class Checker:
@@ -271,14 +275,20 @@ class Checker:
         base, final = probes["baseline"], probes["final"]
         if final["actors_alive"] != fleet["num_workers"]:
             leftovers["actors alive in Ray"] = final["actors_alive"]
-        for key in ("threads", "fds"):
-            if final[key] > base[key] + SLACK[key]:
-                leftovers[key] = f"{base[key]} -> {final[key]}"
+        if final["fds"] > base["fds"] + SLACK["fds"]:
+            leftovers["fds"] = f"{base['fds']} -> {final['fds']}"
+        leftovers |= _grown_threads(base.get("thread_names", {}), final.get("thread_names", {}))
         if final["rss_mb"] > base["rss_mb"] + max(SLACK["rss_mb"], SLACK["rss_fraction"] * base["rss_mb"]):
             leftovers["rss_mb"] = f"{base['rss_mb']} -> {final['rss_mb']}"
         if leftovers:
             self.violate("end state", f"left behind: {leftovers}")
         self.verified["end-state probes (requests, pages, actors, threads, fds, RSS)"] += 1
+
+
+def _grown_threads(base: dict[str, int], final: dict[str, int]) -> dict[str, str]:
+    """Thread groups past their baseline (pools: past their cap)."""
+    return {f"threads {name!r}": f"{base.get(name, 0)} -> {n}" for name, n in final.items()
+            if n > (POOLS[name] if name in POOLS else base.get(name, 0))}
 
 
 class _Fp64:
