@@ -42,7 +42,7 @@ def recorded(tiny_path):
                 meta=dict(model=str(tiny_path)),
                 probes=dict(server=dict(QUIET), fleet=dict(actors_ready=2, num_workers=2, actor_replacements=0,
                                                            engine_restarts=0, preemptions=0, version=0, actors={}),
-                            baseline=dict(RESOURCES), final=dict(RESOURCES)))
+                            baseline=copy.deepcopy(RESOURCES), final=copy.deepcopy(RESOURCES)))
 
 
 def checks(history: dict) -> set[str]:
