@@ -134,19 +134,19 @@ class Injector:
 
     env_raise = env_hang = env_garbage = _env_fault
 
-    def cancel(self, fault: Fault) -> None:
+    def _fleet_request(self, fault: Fault, target: str) -> tuple[random.Random, list, list]:
         rng = random.Random(fault.arg)
         prompts = draw_prompts(rng, 3)
-        self._record(fault, "fleet submit")
-        self.calls.submit(prompts, [draw_params(rng, 64) for _ in prompts], op="cancel", fault=fault.id,
-                          cancel_after=rng.uniform(0.0, 1.0))
+        self._record(fault, target)
+        return rng, prompts, [draw_params(rng, 64) for _ in prompts]
+
+    def cancel(self, fault: Fault) -> None:
+        rng, prompts, params = self._fleet_request(fault, "fleet submit")
+        self.calls.submit(prompts, params, op="cancel", fault=fault.id, cancel_after=rng.uniform(0.0, 1.0))
 
     def timeout(self, fault: Fault) -> None:
-        rng = random.Random(fault.arg)
-        prompts = draw_prompts(rng, 3)
-        self._record(fault, "fleet generate")
-        self.calls.generate(prompts, [draw_params(rng, 64) for _ in prompts], op="timeout", fault=fault.id,
-                            timeout=rng.uniform(0.05, 1.5))
+        rng, prompts, params = self._fleet_request(fault, "fleet generate")
+        self.calls.generate(prompts, params, op="timeout", fault=fault.id, timeout=rng.uniform(0.05, 1.5))
 
     def disconnect(self, fault: Fault) -> None:
         rng = random.Random(fault.arg)
