@@ -181,6 +181,23 @@ def test_a_long_streamed_row_decodes_in_linear_time_and_cuts_where_the_whole_row
         assert streamed_cost < 30 * len(ids), (stops, streamed_cost)
 
 
+def test_a_stream_re_run_from_its_first_token_sends_only_what_is_new_and_a_different_one_is_refused(tok):
+    """Found by benchmarks/chaos.py: an engine restart re-runs a streamed row from its first token (the same seeded
+    tokens, reported again from one); that ended the stream with `aborted_by_weight_update` after any re-run."""
+    from rollout.server.choices import Detokenizer, Diverged, StreamedChoice
+
+    ids = tok.encode("the cat is on the mat and the dog is not")
+    state, sent = StreamedChoice(0, Detokenizer(tok)), []
+    for n in [*range(1, 6), *range(1, len(ids) + 1)]:  # 5 tokens streamed, then the re-run reports 1, 2, ... again
+        delta = state.advance(ids[:n], [-1.0] * n, [0] * n)
+        sent += delta.token_ids if delta is not None else []
+    assert sent == ids  # each token sent once, in order
+    other = StreamedChoice(0, Detokenizer(tok))
+    other.advance(ids[:5], [-1.0] * 5, [0] * 5)
+    with pytest.raises(Diverged, match="after 5 tokens"):  # a re-run on new weights that sampled otherwise
+        other.advance(ids[:2] + [ids[2] + 1], [-1.0] * 3, [1] * 3)
+
+
 def test_streamed_chunks_add_up_to_the_same_completion(served):
     _, _, client = served
     whole = chat(client, n=2, max_tokens=10, seed=7, logprobs=True)
