@@ -10,8 +10,8 @@ Checks (each violation names the call or fault, and the run's seed reproduces it
 - versions:   on a row, token versions never go backwards, and lie between the call's versions at start and end.
 - exactness:  sampled rows, every model token's logprob against a teacher-forced forward of the weights of its
               recorded version, in fp64 (the truth the fp32 engine approximates: an fp32 reference is itself up to
-              ~1e-5 off at T = 0.7 on these rows, measured), within 1e-5 / min(T, 1) (log_softmax(logits / T) scales
-              the logits' rounding by 1 / T); tokens sampled after a "keep" switch excused (approximate by design);
+              ~1e-5 off on these rows, measured), within 2e-5 / min(T, 1) (fp32's floor here; log_softmax(logits / T)
+              scales the logits' rounding by 1 / T); tokens sampled after a "keep" switch excused (approximate by design);
               score results likewise; every update's fingerprint is the fingerprint of the weights sent.
 - replay:     seeded rows generated on one version equal a fault-free replay (replay.py).
 - end state:  no requests, ledger entries or KV pages left on any engine, every actor slot live and no extra actor
@@ -29,12 +29,16 @@ import torch
 from .envs import ERROR_TEXT
 from .weights import Versions
 
-TOL = 1e-5
+# fp32's floor on these rows: the engine, an fp32 sdpa forward and rollout.score (packed, fp32) are each up to 1.35e-5
+# from the fp64 value at T = 1 (measured on the soak's rows, docs/reliability.md); a real fault (stale KV, a token
+# from other weights) is off by 1e-3 or more (tests/test_async.py)
+TOL = 2e-5
 # what an error may say when it comes from a fault (kind -> text in the message); a call's error is explained when a
 # fault of that kind overlapped it and the text is in the message
 EXPLAINS = {
     "engine_death_fleet": ("chaos: injected engine fault",),
-    "engine_death_server": ("chaos: injected engine fault",),
+    # a streamed row that the restart re-runs on weights updated meanwhile may sample otherwise than it streamed
+    "engine_death_server": ("chaos: injected engine fault", "aborted_by_weight_update"),
     "actor_kill": ("died", "actor"),
     "node_kill": ("died", "actor", "node"),
     "update_abort": ("aborted_by_weight_update",),

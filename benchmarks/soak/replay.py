@@ -13,7 +13,7 @@ import torch
 
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
 
-TOL = 1e-5
+TOL = 2e-5  # fp32's floor on these rows (checker.py)
 
 
 def candidates(history: dict) -> dict[tuple, dict]:
@@ -65,7 +65,7 @@ def _compare(checker, got: tuple, batch, r: int) -> None:
                         f"its fault-free replay at token {_first_difference(ids, mine)}", call=call["id"])
         return
     gap = float((lps[: len(mine)] - torch.tensor(row["logprobs"][: len(mine)])).abs().max())
-    if gap > 2 * TOL / min(row["temperature"] or 1.0, 1.0):  # two fp32 runs, each within TOL / T of the truth
+    if gap > TOL / min(row["temperature"] or 1.0, 1.0):  # two fp32 runs of the same row
         checker.violate("replay", f"{call['op']}: replayed logprobs differ by {gap:.2e}", call=call["id"])
     checker.verified["seeded rows equal to their fault-free replay"] += 1
 

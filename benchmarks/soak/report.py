@@ -48,7 +48,7 @@ def render(summary: dict) -> str:
               f"calls: {summary['calls']} ({summary['outcomes']}), rows: {summary['rows']}",
               f"retries: {summary['retries']}", "", "verified:"]
     lines += [f"  {v:>8}  {k}" for k, v in summary["verified"].items()]
-    lines += [f"  max logprob gap x min(T, 1) (tolerance 1e-5): {summary['max_logprob_gap']}", "",
+    lines += [f"  max logprob gap x min(T, 1) (tolerance 2e-5): {summary['max_logprob_gap']}", "",
               f"resources: baseline {summary['baseline']}", f"           final    {summary['final']}", ""]
     if summary["violations"]:
         lines.append(f"VIOLATIONS ({len(summary['violations'])}; reproduce with --seed {summary['seed']}):")
