@@ -27,11 +27,15 @@ def summarize(history: dict, result: dict) -> dict:
                "fleet engine restarts": probes.get("fleet", {}).get("engine_restarts"),
                "server engine restarts": probes.get("server", {}).get("engine_restarts"),
                "server preemptions (KV pressure)": probes.get("server", {}).get("preemptions")}
+    late = [round(c["ends"][0]["t1"] - c["t0"] - c["sent"]["timeout"], 3) for c in calls
+            if c["sent"].get("timeout") is not None and c["op"] == "timeout" and len(c["ends"]) == 1
+            and (c["ends"][0].get("error") or {}).get("type") == "TimeoutError"]
     return dict(seed=history["seed"], duration_s=history["duration_s"],
                 faults=dict(Counter(f["kind"] for f in history["faults"])),
                 updates=dict(Counter(f"{u['surface']}/{u['mode']}" for u in history["updates"])),
                 calls=len(calls), outcomes=dict(outcomes), ops=dict(Counter(c["op"] for c in calls)), rows=rows,
                 retries=retries,
+                timeouts_late_s=dict(n=len(late), p50=percentile(late, 0.5), max=max(late, default=None)),
                 recovery_s={k: dict(n=len(v), p50=percentile(v, 0.5), p90=percentile(v, 0.9), max=max(v))
                             for k, v in sorted(recovery.items())},
                 verified=result["verified"], max_logprob_gap=result.get("max_gap"),
@@ -46,7 +50,8 @@ def render(summary: dict) -> str:
               f"max {_r(summary, k, 'max')}" for k, v in sorted(summary["faults"].items())]
     lines += ["", f"weight updates: {summary['updates']}",
               f"calls: {summary['calls']} ({summary['outcomes']}), rows: {summary['rows']}",
-              f"retries: {summary['retries']}", "", "verified:"]
+              f"retries: {summary['retries']}",
+              f"TimeoutErrors, seconds past the call's timeout: {summary['timeouts_late_s']}", "", "verified:"]
     lines += [f"  {v:>8}  {k}" for k, v in summary["verified"].items()]
     lines += [f"  max logprob gap x min(T, 1) (tolerance 2e-5): {summary['max_logprob_gap']}", "",
               f"resources: baseline {summary['baseline']}", f"           final    {summary['final']}", ""]
