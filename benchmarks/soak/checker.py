@@ -37,11 +37,12 @@ TOL = 2e-5
 # fault of that kind overlapped it and the text is in the message
 EXPLAINS = {
     "engine_death_fleet": ("chaos: injected engine fault",),
-    # a streamed row that the restart re-runs on weights updated meanwhile may sample otherwise than it streamed
-    "engine_death_server": ("chaos: injected engine fault", "aborted_by_weight_update"),
+    "engine_death_server": ("chaos: injected engine fault",),
     "actor_kill": ("died", "actor"),
     "node_kill": ("died", "actor", "node"),
     "update_abort": ("aborted_by_weight_update",),
+    # a streamed row re-run on weights updated meanwhile (an engine restart after any update) may sample otherwise
+    "update_server": ("aborted_by_weight_update",),
 }
 SLACK = dict(fds=32, rss_mb=300.0, rss_fraction=0.5)
 # thread pools that grow on demand up to a cap and keep their idle threads (name, digits stripped -> cap): any other
@@ -92,6 +93,7 @@ class Checker:
         """(kind, start, end) of every fault and every "abort" update: an error inside a window may be explained."""
         windows = [(f["kind"], f["t"], f["t"] + 60.0) for f in self.h["faults"]]
         windows += [("update_abort", u["t0"], u["t1"] + 1.0) for u in self.h["updates"] if u["mode"] == "abort"]
+        windows += [("update_server", u["t0"], u["t1"] + 1.0) for u in self.h["updates"] if u["surface"] == "server"]
         return windows
 
     # ------------------------------------------------------------------ returns
