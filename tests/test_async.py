@@ -233,7 +233,7 @@ def test_new_calls_run_after_every_preempted_call_is_cancelled_or_aborted(tiny_p
             batches = [f.result(timeout=60) for f in futures]  # re-run from scratch, all of them
             assert [b.completion_lengths.tolist() for b in batches] == [[120] * 3] * 6
             assert batches[0].policy_version.tolist() == [1] * 3
-        assert not worker.engine._pending and worker.metrics().kv_pages_used == 0
+        assert not worker.engine._requests.pending and worker.metrics().kv_pages_used == 0
 
 
 def test_concurrent_submits_timeouts_cancels_and_refreshes_on_a_shared_model(tiny):

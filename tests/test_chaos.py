@@ -121,12 +121,15 @@ def test_the_schedule_is_the_seeds_alone_and_has_every_kind_and_a_node_kill():
 
 @pytest.mark.timeout(600)
 def test_a_short_seeded_soak_finds_no_violation(tmp_path):
-    """The whole soak for 20 s of faults (seed 25 draws 14 of the 15 kinds) (plus start-up, drain and the checker): the same code as the long runs."""
+    """The whole soak, 20 s of faults (seed 25 draws 14 of the 15 kinds) plus start-up, drain and the checker: the
+    same code as the long runs."""
     cmd = [sys.executable, str(BENCHMARKS / "chaos.py"), "--seconds", "20", "--seed", "25", "--mean-gap", "1.0",
            "--workdir", str(tmp_path), "--rows", "120", "--replays", "20"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCHMARKS.parent), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=580, env=env)
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    last = (done.stdout.strip().splitlines() or [""])[-1]
+    assert last.startswith("{"), f"the soak did not finish (rc {done.returncode}): {done.stderr[-3000:]}"
+    summary = json.loads(last)
     assert summary["violations"] == [] and done.returncode == 0, summary["violations"]
     assert summary["faults"].get("node_kill") == 1 and len(summary["faults"]) >= 12, summary["faults"]
     assert summary["verified"]["tokens checked against a teacher-forced forward"] > 500

@@ -11,11 +11,13 @@ Checks (each violation names the call or fault, and the run's seed reproduces it
 - exactness:  sampled rows, every model token's logprob against a teacher-forced forward of the weights of its
               recorded version, in fp64 (the truth the fp32 engine approximates: an fp32 reference is itself up to
               ~1e-5 off on these rows, measured), within 2e-5 / min(T, 1) (fp32's floor here; log_softmax(logits / T)
-              scales the logits' rounding by 1 / T); tokens sampled after a "keep" switch excused (approximate by design);
+              scales the logits' rounding by 1 / T); tokens sampled after a "keep" switch excused (approximate by
+              design);
               score results likewise; every update's fingerprint is the fingerprint of the weights sent.
 - replay:     seeded rows generated on one version equal a fault-free replay (replay.py).
 - end state:  no requests, ledger entries or KV pages left on any engine, every actor slot live and no extra actor
-              in Ray, threads back to the warmed-up baseline (pools within their caps), file descriptors too, RSS growth bounded.
+              in Ray, threads back to the warmed-up baseline (pools within their caps), file descriptors too, RSS
+              growth bounded.
 """
 
 from __future__ import annotations

@@ -90,7 +90,8 @@ def quiesce(rig: Rig, deadline_s: float = QUIET_S) -> dict:
 def probe_end(rig: Rig) -> dict:
     engine = rig.worker.engine
     m = rig.worker.metrics()
-    server = dict(pending=len(engine._pending), calls=len(engine._calls), ledger=len(engine._ledger),
+    requests = engine._requests
+    server = dict(pending=len(requests.pending), calls=len(engine._calls), ledger=len(requests.ledger),
                   requests_running=m.requests_running, requests_waiting=m.requests_waiting,
                   kv_pages_used=m.kv_pages_used, engine_restarts=m.engine_restarts, preemptions=m.preemptions,
                   version=rig.worker.policy_version)

@@ -10,7 +10,8 @@ import time
 from rollout import Turn
 
 # what each faulty kind puts in the episode's error, as the engine reports it (the checker reads these)
-ERROR_TEXT = {"env_raise": "chaos: environment raised", "env_hang": "env_timeout", "env_garbage": "outside the vocabulary"}
+ERROR_TEXT = {"env_raise": "chaos: environment raised", "env_hang": "env_timeout",
+              "env_garbage": "outside the vocabulary"}
 GARBAGE_ID = 10**6
 
 

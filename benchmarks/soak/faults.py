@@ -28,7 +28,7 @@ def arm_engine_death() -> Callable:
     so Ray pickles it by value into an actor (`actor.__ray_call__`); the patch stays installed, disarmed."""
 
     def arm(_self=None) -> None:
-        from rollout.engine.runner import RolloutModelRunner
+        from rollout.engine.upstream.runner import RolloutModelRunner
 
         original = getattr(RolloutModelRunner, "_chaos_original", None)
         if original is None:

@@ -18,8 +18,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def summarize(history: dict, result: dict) -> dict:
     calls = history["calls"]
-    outcomes = Counter(f"{c['surface']}/{c['ends'][0]['outcome'] if len(c['ends']) == 1 else 'returned-' + str(len(c['ends']))}"
-                       for c in calls)
+    outcomes = Counter(f"{c['surface']}/{_outcome(c)}" for c in calls)
     rows = sum(len(c["ends"][0]["rows"]) for c in calls if len(c["ends"]) == 1)
     recovery = recovery_times(history)
     probes = history["probes"]
@@ -62,6 +61,10 @@ def render(summary: dict) -> str:
         lines.append("no violation")
     lines.append(json.dumps(summary, default=str))
     return "\n".join(lines)
+
+
+def _outcome(call: dict) -> str:
+    return call["ends"][0]["outcome"] if len(call["ends"]) == 1 else f"returned {len(call['ends'])} times"
 
 
 def _r(summary: dict, kind: str, key: str) -> str:
