@@ -213,6 +213,29 @@ def test_cancel_and_timeouts_release_everything_the_requests_held(own):
     assert len(batch) == 1 and engine.num_restarts == 0
 
 
+@pytest.mark.parametrize("how", ["cancel", "abort"])
+def test_new_calls_run_after_every_preempted_call_is_cancelled_or_aborted(tiny_path, how):
+    """Found by benchmarks/chaos.py: upstream blocks new requests after a preemption until a running one finishes; when
+    every running request was cancelled instead (cancels, or an "abort" update), nothing was ever scheduled again."""
+    with RolloutWorker(tiny_path, WorkerConfig(page_size=16, num_blocks=24, max_batch_tokens=128)) as worker:
+        params = SamplingParams(n=3, max_new_tokens=120, ignore_eos=True)
+        futures = [worker.submit(prompts_of([30], seed=i), params) for i in range(6)]
+        deadline = time.monotonic() + 60
+        while worker.metrics().preemptions == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert worker.metrics().preemptions > 0 and not any(f.done() for f in futures)
+        if how == "cancel":
+            assert all(f.cancel() for f in futures)
+            batch = worker.generate(prompts_of([5]), SamplingParams(max_new_tokens=4, ignore_eos=True), timeout=30)
+            assert batch.completion_lengths.tolist() == [4]
+        else:
+            worker.update_weights(worker.model.state_dict(), in_flight="abort")
+            batches = [f.result(timeout=60) for f in futures]  # re-run from scratch, all of them
+            assert [b.completion_lengths.tolist() for b in batches] == [[120] * 3] * 6
+            assert batches[0].policy_version.tolist() == [1] * 3
+        assert not worker.engine._requests.pending and worker.metrics().kv_pages_used == 0
+
+
 def test_concurrent_submits_timeouts_cancels_and_refreshes_on_a_shared_model(tiny):
     """The engine thread never runs a forward with the owner's attention or training flag: nothing dies."""
     model, tok = tiny

@@ -181,6 +181,23 @@ def test_a_long_streamed_row_decodes_in_linear_time_and_cuts_where_the_whole_row
         assert streamed_cost < 30 * len(ids), (stops, streamed_cost)
 
 
+def test_a_stream_re_run_from_its_first_token_sends_only_what_is_new_and_a_different_one_is_refused(tok):
+    """Found by benchmarks/chaos.py: an engine restart re-runs a streamed row from its first token (the same seeded
+    tokens, reported again from one); that ended the stream with `aborted_by_weight_update` after any re-run."""
+    from rollout.server.choices import Detokenizer, Diverged, StreamedChoice
+
+    ids = tok.encode("the cat is on the mat and the dog is not")
+    state, sent = StreamedChoice(0, Detokenizer(tok)), []
+    for n in [*range(1, 6), *range(1, len(ids) + 1)]:  # 5 tokens streamed, then the re-run reports 1, 2, ... again
+        delta = state.advance(ids[:n], [-1.0] * n, [0] * n)
+        sent += delta.token_ids if delta is not None else []
+    assert sent == ids  # each token sent once, in order
+    other = StreamedChoice(0, Detokenizer(tok))
+    other.advance(ids[:5], [-1.0] * 5, [0] * 5)
+    with pytest.raises(Diverged, match="after 5 tokens"):  # a re-run on new weights that sampled otherwise
+        other.advance(ids[:2] + [ids[2] + 1], [-1.0] * 3, [1] * 3)
+
+
 def test_streamed_chunks_add_up_to_the_same_completion(served):
     _, _, client = served
     whole = chat(client, n=2, max_tokens=10, seed=7, logprobs=True)
@@ -363,6 +380,18 @@ def test_bad_requests_are_openai_errors_and_submit_nothing(served):
                                                               "param": None, "code": None}})
     assert worker.engine.num_prompt_tokens == before  # nothing reached the engine
     assert chat(client, max_tokens=2).choices[0].finish_reason in ("stop", "length")  # and it still serves
+
+
+def test_a_completions_prompt_refused_is_named_as_the_request_spelled_it(served):
+    """Found by benchmarks/chaos.py: a completions request with prompt_token_ids got 400s naming `prompt`."""
+    _, server, _ = served
+    cases = [({"prompt_token_ids": [1, 99999]}, "prompt_token_ids"),
+             ({"prompt_token_ids": [7] * 1100}, "prompt_token_ids"),  # past the 1024-token context
+             ({"prompt": [1, 99999]}, "prompt"), ({"prompt": "word " * 2000}, "prompt")]
+    for fields, param in cases:
+        body = json.dumps({"model": "tiny", "max_tokens": 4, **fields}).encode()
+        status, payload = http(f"{server.url}/completions", body)
+        assert (status, payload["error"]["param"]) == (400, param), (fields, payload)
 
 
 def test_a_400_names_the_parameter_from_the_errors_field_not_from_its_text():

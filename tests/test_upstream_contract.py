@@ -44,6 +44,9 @@ Public but internal (no underscore, same risk):
   (counters.py, core.py, scheduler.py): what the engine's metrics count. Preemptions are the requests
   `offload_requests` takes out of the active set (the batch processor's only way to preempt); the KV peak is read
   once a step's pages are allocated; a re-admitted request (soft reset) is told from a new one by its logprobs.
+- `scheduler.block_new_requests` (scheduler.py clears it when nothing is running): upstream's preemption sets it and
+  only a request finishing in `update_batch` clears it, so a preemption followed by the cancellation of every running
+  request left the waiting ones unscheduled forever.
 - `OutputRouter.deliver` / `deliver_batch` (router.py overrides them), `ContinuousBatchingManager.start`'s body
   (replayed by upstream/manager.py with a daemon thread), `switch_to_cb_friendly_attn` (manager.py lets
   `rollout_paged` through),
@@ -440,6 +443,17 @@ def test_a_soft_reset_folds_the_generated_tokens_into_the_prompt_and_keeps_id_an
     assert "_status" in vars(state)  # the field a soft reset sets directly, as upstream's preemption does
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
     assert ContinuousBatchingConfig().cpu_offload_space == 0  # no CPU swap pool: nothing restores old-weight KV
+
+
+def test_only_a_finishing_request_lets_new_requests_in_after_a_preemption():
+    """scheduler.py clears `block_new_requests` when nothing is running: upstream must still set it in
+    `offload_requests` and clear it only where a request finishes (else the hook is stale or unneeded)."""
+    from transformers.generation.continuous_batching.offloading_manager import OffloadingManager
+
+    assert "scheduler.block_new_requests = True" in inspect.getsource(OffloadingManager.offload_requests)
+    update = inspect.getsource(ContinuousBatchProcessor.update_batch)
+    assert update.count("self.scheduler.block_new_requests = False") == 1
+    assert "if not self.block_new_requests:" in inspect.getsource(FIFOScheduler.schedule_batch)
 
 
 def test_preemption_goes_through_offload_requests_which_takes_requests_out_of_the_active_set(worker):

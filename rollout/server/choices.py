@@ -166,8 +166,11 @@ class StreamedChoice:
         `final`: `ids` is the whole row (its text is then the whole row's decode)."""
         if self.stopped:
             return None
-        if ids[: len(self.token_ids)] != self.token_ids:
-            raise Diverged(f"choice {self.index} was re-run after {len(self.token_ids)} tokens had been streamed")
+        sent = len(self.token_ids)
+        if ids[:sent] != self.token_ids[: len(ids)]:
+            raise Diverged(f"choice {self.index} was re-run after {sent} tokens had been streamed")
+        if len(ids) < sent:  # a re-run (an engine restart) streaming the same tokens again: nothing new yet
+            return None
         if self.decoded is None:
             self.decoded = IncrementalText(self.detok)
         whole = self.detok.text(ids) if final else self.decoded.update(ids)

@@ -96,6 +96,7 @@ class Request:
     include_stop: bool = False  # include_stop_str_in_output
     template: dict[str, Any] = field(default_factory=dict)  # chat: keywords for the chat template (add_generation_
     # prompt, continue_final_message, reasoning_effort, chat_template_kwargs); {} renders as it always did
+    prompt_param: str = "prompt_token_ids"  # the field the prompt came from (errors about it name it)
 
     @property
     def scores_prompt(self) -> bool:
@@ -157,7 +158,14 @@ def parse(kind: str, body: Any, headers: dict[str, str] | None = None,
         return_token_ids=_bool(body, "return_token_ids", True),
         tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False), echo=echo, prompt_logprobs=prompt_logprobs,
         adjustments=_adjustments(body), skip_special_tokens=_bool(body, "skip_special_tokens", True),
-        include_stop=_bool(body, "include_stop_str_in_output", False), template=template)
+        include_stop=_bool(body, "include_stop_str_in_output", False), template=template,
+        prompt_param=_prompt_param(kind, body))
+
+
+def _prompt_param(kind: str, body: dict) -> str:
+    if body.get("prompt_token_ids") is not None:
+        return "prompt_token_ids"
+    return "messages" if kind == "chat" else "prompt"
 
 
 def messages_of(body: dict) -> list[dict]:

@@ -156,9 +156,7 @@ class Service:
 
     @staticmethod
     def _prompt_field(request: Request) -> str:
-        if request.messages is not None:
-            return "messages"
-        return "prompt" if request.kind == "completion" and request.prompts is not None else "prompt_token_ids"
+        return request.prompt_param
 
     # ------------------------------------------------------------------ running
     async def start(self, request: Request, prepared: Prepared) -> Generation | None:
@@ -241,8 +239,8 @@ class Service:
             self._record(request, choices)
             yield "[DONE]"
         except Diverged as error:
-            yield ApiError(500, f"{error}: a weight update with in_flight=\"abort\" restarted it on new weights, and "
-                           "streamed tokens cannot be taken back. Fix: retry the request, or update with "
+            yield ApiError(500, f"{error}: it restarted on new weights (an in_flight=\"abort\" weight update, or an "
+                           "engine restart after an update), and streamed tokens cannot be taken back. Fix: retry the request, or update with "
                            "in_flight=\"recompute\"/\"wait\" while streaming", code="aborted_by_weight_update",
                            type="server_error").body()
         except ApiError as error:

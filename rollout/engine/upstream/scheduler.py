@@ -1,4 +1,4 @@
-"""RolloutScheduler: FIFO scheduling minus the 1-token fork crash.
+"""RolloutScheduler: FIFO scheduling minus the 1-token fork crash, and minus a stall after preemption.
 
 The engine forks the n samples of a prompt after prefilling all but its last token; when exactly one token is left
 (a 1-token prompt, or a prefix-cache hit leaving one token) it schedules a 0-token forward and dies. Here such
@@ -28,6 +28,12 @@ class RolloutScheduler(FIFOScheduler):
     on_schedule: Callable[[object], None] | None = None
 
     def schedule_batch(self, token_budget: int, cache_budget: int):
+        # upstream's preemption sets block_new_requests (admit nothing new until the survivors make room) and only a
+        # request that finishes clears it; when every running request is cancelled instead (an abort or recompute
+        # fence, cancels, timeouts, clients gone), none ever finishes and the waiting requests were never admitted
+        # again: the engine idled with an empty cache (found by benchmarks/chaos.py). Nothing running: admit.
+        if self.block_new_requests and not self.active_requests:
+            self.block_new_requests = False
         scheduled = super().schedule_batch(token_budget, cache_budget)
         if self.on_schedule is not None:
             self.on_schedule(self.cache)

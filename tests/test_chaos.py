@@ -1,0 +1,135 @@
+"""The chaos soak (benchmarks/chaos.py): its checker catches each kind of broken promise in a recorded history, and a
+short seeded run of the whole soak (2-node Ray cluster, fleet, served worker, every fault kind) passes it."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollout import RolloutWorker, SamplingParams, WorkerConfig
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from soak.checker import Checker  # noqa: E402
+from soak.history import rows_of  # noqa: E402
+from soak.schedule import KINDS, draw  # noqa: E402
+from soak.traffic import params_dict  # noqa: E402
+
+QUIET = dict(pending=0, calls=0, ledger=0, requests_running=0, requests_waiting=0, kv_pages_used=0, engine_restarts=0,
+             preemptions=0, version=0)
+RESOURCES = dict(rss_mb=500.0, fds=40, threads=30, actors_alive=2, thread_names={"MainThread": 1, "rollout-fleet": 1})
+
+
+@pytest.fixture(scope="module")
+def recorded(tiny_path):
+    """A clean history of one seeded call (rows made by a real worker at version 0), as the driver records it."""
+    prompts = [[11, 12, 13, 14], [40, 41]]
+    params = [SamplingParams(n=2, max_new_tokens=6, seed=5, ignore_eos=True),
+              SamplingParams(n=1, max_new_tokens=5, seed=9, temperature=0.7)]
+    with RolloutWorker(tiny_path, WorkerConfig(page_size=16, num_blocks=64)) as worker:
+        batch = worker.generate(prompts, params)
+    call = dict(id=0, surface="fleet", op="generate", t0=1.0, fault=None, version_before=0,
+                sent=dict(prompts=prompts, params=[params_dict(p) for p in params]),
+                ends=[dict(t1=2.0, outcome="ok", version_after=0, rows=rows_of(batch, params), error=None)])
+    return dict(seed=3, duration_s=1.0, calls=[call], faults=[], updates=[], samples=[],
+                meta=dict(model=str(tiny_path)),
+                probes=dict(server=dict(QUIET), fleet=dict(actors_ready=2, num_workers=2, actor_replacements=0,
+                                                           engine_restarts=0, preemptions=0, version=0, actors={}),
+                            baseline=copy.deepcopy(RESOURCES), final=copy.deepcopy(RESOURCES)))
+
+
+def checks(history: dict) -> set[str]:
+    return {v["check"] for v in Checker(history, max_rows=50, replays=10).run()["violations"]}
+
+
+def test_a_clean_history_passes_with_every_token_checked_and_seeded_rows_replayed(recorded):
+    result = Checker(copy.deepcopy(recorded), max_rows=50, replays=10).run()
+    assert result["violations"] == []
+    verified = result["verified"]
+    assert verified["tokens checked against a teacher-forced forward"] == 6 + 6 + 5
+    assert verified["seeded rows equal to their fault-free replay"] == 3
+    assert verified["rows returned exactly once"] == 3
+
+
+def broken(recorded: dict, how) -> dict:
+    history = copy.deepcopy(recorded)
+    how(history, history["calls"][0], history["calls"][0]["ends"][0])
+    return history
+
+
+@pytest.mark.parametrize("how, check", [
+    (lambda h, c, e: e["rows"].append(copy.deepcopy(e["rows"][0])), "rows"),  # a row twice
+    (lambda h, c, e: e["rows"].pop(1), "rows"),  # a row lost
+    (lambda h, c, e: c["ends"].append(copy.deepcopy(e)), "returns"),  # the call returned twice
+    (lambda h, c, e: e["rows"][0]["logprobs"].__setitem__(2, e["rows"][0]["logprobs"][2] + 1e-3), "exactness"),
+    (lambda h, c, e: (e.__setitem__("version_after", 1), e["rows"][0]["token_versions"].__setitem__(0, 1)),
+     "versions"),  # version 1, then 0 on one row
+    (lambda h, c, e: e["rows"][2]["completion_ids"].__setitem__(4, (e["rows"][2]["completion_ids"][4] + 1) % 500),
+     "replay"),  # a seeded row that is not what its seed gives
+    (lambda h, c, e: e.update(outcome="error", rows=[], error=dict(type="RuntimeError", message="boom")), "returns"),
+    (lambda h, c, e: h["probes"]["server"].update(kv_pages_used=3), "end state"),  # pages never freed
+    (lambda h, c, e: h["probes"]["final"].update(fds=400), "end state"),  # file descriptors leaked
+    (lambda h, c, e: h["probes"]["final"]["thread_names"].update(chaos=1), "end state"),  # a thread left running
+    (lambda h, c, e: h["probes"]["final"].update(actors_alive=3), "end state"),  # an actor left in Ray
+])
+def test_each_broken_promise_is_a_violation_of_its_own_check(recorded, how, check):
+    assert check in checks(broken(recorded, how))
+
+
+def test_an_error_is_explained_only_by_a_fault_that_overlapped_the_call_and_names_it(recorded):
+    def engine_error(h, c, e):
+        e.update(outcome="error", rows=[], error=dict(type="RuntimeError", message="sample failed: chaos: injected "
+                                                      "engine fault"))
+
+    unexplained = broken(recorded, engine_error)
+    assert "returns" in checks(unexplained)
+    unexplained["faults"] = [dict(id=0, kind="engine_death_fleet", t=1.5, target="fleet actor 0", detail="")]
+    assert "returns" not in checks(unexplained)
+    unexplained["faults"][0]["kind"] = "actor_kill"  # a fault whose errors read otherwise
+    assert "returns" in checks(unexplained)
+
+
+def test_a_bad_request_must_be_a_4xx_naming_its_field(recorded):
+    history = copy.deepcopy(recorded)
+    refused = dict(id=1, surface="server", op="bad_request", t0=1.0, fault=0, version_before=0,
+                   sent=dict(path="/v1/completions", label="n=10000", expect_param="n", body_bytes=10),
+                   ends=[dict(t1=1.1, outcome="error", version_after=0, rows=[], status=400,
+                              error=dict(type="http_400", message="n too big", param="n",
+                                         error_type="invalid_request_error"))])
+    history["calls"].append(refused)
+    assert checks(history) == set()
+    refused["ends"][0].update(status=500)
+    assert checks(history) == {"refusal"}
+    refused["ends"][0].update(status=400, error=dict(refused["ends"][0]["error"], param="prompt"))
+    assert checks(history) == {"refusal"}
+
+
+def test_the_schedule_is_the_seeds_alone_and_has_every_kind_and_a_node_kill():
+    first, again, other = draw(4, 600), draw(4, 600), draw(5, 600)
+    assert first == again and first != other
+    assert {f.kind for f in first} == set(KINDS)
+    assert [f.at_s for f in first] == sorted(f.at_s for f in first) and first[-1].at_s < 600
+    assert sum(f.kind == "node_kill" for f in draw(4, 60)) == 1
+
+
+@pytest.mark.timeout(600)
+def test_a_short_seeded_soak_finds_no_violation(tmp_path):
+    """The whole soak, 20 s of faults (seed 25 draws 14 of the 15 kinds) plus start-up, drain and the checker: the
+    same code as the long runs."""
+    cmd = [sys.executable, str(BENCHMARKS / "chaos.py"), "--seconds", "20", "--seed", "25", "--mean-gap", "1.0",
+           "--workdir", str(tmp_path), "--rows", "120", "--replays", "20"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCHMARKS.parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=580, env=env)
+    last = (done.stdout.strip().splitlines() or [""])[-1]
+    assert last.startswith("{"), f"the soak did not finish (rc {done.returncode}): {done.stderr[-3000:]}"
+    summary = json.loads(last)
+    assert summary["violations"] == [] and done.returncode == 0, summary["violations"]
+    assert summary["faults"].get("node_kill") == 1 and len(summary["faults"]) >= 12, summary["faults"]
+    assert summary["verified"]["tokens checked against a teacher-forced forward"] > 500
