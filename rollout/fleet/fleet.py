@@ -372,7 +372,7 @@ class RolloutFleet:
         results: dict[int, Any] = {}
         try:
             with self._lock:
-                for slot in sorted(self._down):  # left down by an interrupted update
+                for slot in sorted(self._down):  # left down by an interrupted update or by failed starts
                     self._replace(slot, "it was down after an interrupted update")
             while not plan.finished:
                 with self._lock:
@@ -493,9 +493,11 @@ class RolloutFleet:
         self._failures = [MAX_START_FAILURES - 1] * self.num_workers  # a first start that fails is final
         self._info: list[dict] = [{} for _ in range(self.num_workers)]
         self._actors, self._down = [None] * self.num_workers, set(range(self.num_workers))
+        self._serving = False  # until every first start succeeded: a failed one is final (see _started)
         for slot in range(self.num_workers):
             self._replace(slot)
         self._await_starts()
+        self._serving = True
 
     def _ready(self) -> set[int]:
         return set(range(len(self._actors))) - set(self._starting) - self._down
@@ -539,10 +541,16 @@ class RolloutFleet:
             info = ray.get(self._actors[slot].info.options(concurrency_group="control").remote())
         except ray.exceptions.RayError as exc:
             self._failures[slot] += 1
-            if self._failures[slot] >= MAX_START_FAILURES:
+            if self._failures[slot] < MAX_START_FAILURES:
+                self._replace(slot, f"it failed to start: {exc}")
+            elif self._serving and self._ready():  # the others serve: this slot waits for the next call
+                LOG.warning("RolloutFleet: actor %d failed to start %d times in a row (last: %s); the slot stays down "
+                            "and the next call starts it again", slot, self._failures[slot], exc)
+                self._failures[slot] = 0
+                self._down.add(slot)
+            else:  # at start-up, or nothing else can serve: the caller hears it
                 raise RuntimeError(f"actor {slot} failed to start {self._failures[slot]} time(s) in a row; last "
                                    f"error: {exc}") from exc
-            self._replace(slot, f"it failed to start: {exc}")
             return
         if state[0] != self.version or state[1] != (self._fingerprint or state[1]):
             raise RuntimeError(f"rollout bug: actor {slot} restored to {state}, fleet holds "
