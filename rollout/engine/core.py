@@ -3,8 +3,8 @@
 The engine knows token ids and SamplingParams, nothing about tokenizers or trainers. It
 - owns its manager (`upstream.RolloutManager`: built with every hook given at construction, `upstream.Hooks`;
   sized by WorkerConfig, never cached on the model), after `upstream.install()`;
-- takes calls asynchronously (`submit`): every accepted sample is tracked until it comes back exactly once (its
-  logprobs, versions and row parameters in `ledger.py`); a supervisor thread rebuilds the manager when the engine
+- takes calls asynchronously (`submit`): every accepted sample is tracked until it comes back exactly once (in
+  `requests.py`; its logprobs, versions and row parameters in `ledger.py`); a supervisor thread rebuilds the manager when the engine
   thread dies (logged on the "rollout" logger with the error) and re-runs what it lost (up to `max_retries` times
   each), and settles each call once it is over;
 - hands an episode's finished turns to its `EpisodeDriver` (driver.py), which steps the environment off the engine
