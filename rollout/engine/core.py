@@ -4,9 +4,9 @@ The engine knows token ids and SamplingParams, nothing about tokenizers or train
 - owns its manager (`upstream.RolloutManager`: built with every hook given at construction, `upstream.Hooks`;
   sized by WorkerConfig, never cached on the model), after `upstream.install()`;
 - takes calls asynchronously (`submit`): every accepted sample is tracked until it comes back exactly once (in
-  `requests.py`; its logprobs, versions and row parameters in `ledger.py`); a supervisor thread rebuilds the manager when the engine
-  thread dies (logged on the "rollout" logger with the error) and re-runs what it lost (up to `max_retries` times
-  each), and settles each call once it is over;
+  `requests.py`; its logprobs, versions and row parameters in `ledger.py`); a supervisor thread rebuilds the
+  manager when the engine thread dies (logged on the "rollout" logger with the error) and re-runs what it lost (up
+  to `max_retries` times each), and settles each call once it is over;
 - hands an episode's finished turns to its `EpisodeDriver` (driver.py), which steps the environment off the engine
   thread and submits the next turn through the engine;
 - fences weight changes: `exclusive(mode)` stops new submissions, then "wait"s for what is in flight, "abort"s it
