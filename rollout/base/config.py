@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .errors import check_int, invalid
+from .speculation import Speculation
 
 IN_FLIGHT_POLICIES = ("wait", "abort", "recompute", "keep")
 
@@ -86,6 +87,11 @@ class WorkerConfig:
         of every row (`RolloutBatch.routing`, for `rollout.replay_routing`; docs/moe.md). Off by default (no hooks, no
         cost); on, the engine's steps are not captured in CUDA graphs (a replayed graph runs no hooks). A model whose
         routers the recorder does not understand is refused at start.
+    speculation: speculative decoding (`Speculation`: draft sources, draft length, mode; docs/speculation.md): a
+        decoding row is fed draft tokens in the same forward as its next token and keeps each draft only where it is
+        the very token plain decoding samples there (the counter-based sampler decides every position), so the
+        tokens, logprobs and versions are those of plain decoding, bit for bit; only the cost changes. None
+        (default): off. Sync steps only (not with CUDA graphs / async batching), and not with record_routing.
     """
 
     page_size: int = 16
@@ -105,6 +111,7 @@ class WorkerConfig:
     cuda_graphs: str = "auto"
     merge_adapters: bool = True
     record_routing: bool = False
+    speculation: Speculation | None = None
 
     def __post_init__(self) -> None:
         check_int("page_size", self.page_size, 4, "use a page size of at least 4 tokens (16 is a good CPU default)")
@@ -132,6 +139,13 @@ class WorkerConfig:
         for name in ("prefix_caching", "merge_adapters", "record_routing"):
             if not isinstance(getattr(self, name), bool):
                 raise invalid(name, getattr(self, name), "must be a bool", "use True or False")
+        if self.speculation is not None and not isinstance(self.speculation, Speculation):
+            raise invalid("speculation", self.speculation, "must be a rollout.Speculation or None",
+                          "use e.g. Speculation(drafts=('context', 'history')), or None for no speculation")
+        if self.speculation is not None and self.record_routing and self.speculation.mode != "off":
+            raise invalid("speculation", self.speculation, "cannot be on with record_routing=True (a verify "
+                          "forward routes draft positions that are then rolled back)",
+                          "turn speculation off (None or mode='off') while recording routing")
         if self.cuda_graphs not in CUDA_GRAPH_POLICIES:
             raise invalid("cuda_graphs", self.cuda_graphs, f"must be one of {CUDA_GRAPH_POLICIES}",
                           "use 'auto' (on CUDA when the attention allows it) or 'off'")

@@ -47,6 +47,7 @@ from .recorder import RoutingHole, RoutingRecorder
 from .requests import Requests
 from .sampler import RowSpec
 from .slots import SlotTable
+from .speculator import Speculator
 from .streams import stream_key
 from .trace import TurnTrace
 from .upstream import (SCHEDULER_NAME, GenerationOutput, Hooks, RequestState, RequestStatus, RolloutManager,
@@ -95,6 +96,7 @@ class Engine:
         # the MoE routers whose choices are recorded (WorkerConfig.record_routing; an unknown router fails here)
         self._routers = find_routers(model) if self.config.record_routing else None
         self._recorder: RoutingRecorder | None = None
+        self._speculator = Speculator.of(self.config, self._draftable)  # None: speculation off
         self._manager = self._build_manager()
         self._supervisor = threading.Thread(target=self._supervise, daemon=True, name="rollout-supervisor")
         self._supervisor.start()
@@ -103,7 +105,8 @@ class Engine:
     def _build_manager(self) -> RolloutManager:
         gen_config = GenerationConfig(do_sample=False, max_new_tokens=None, eos_token_id=None)
         blocks = sizing.num_blocks(self.config, self.model)
-        graphs = cuda.captures(self.model, self.config) and self._routers is None  # a replayed graph runs no hooks
+        # a replayed graph runs no hooks; a verify step needs the previous step's acceptance (sync steps)
+        graphs = cuda.captures(self.model, self.config) and self._routers is None and self._speculator is None
         cb_config = ContinuousBatchingConfig(
             page_size=self.config.page_size, num_blocks=blocks,
             max_batch_tokens=self.config.max_batch_tokens, max_requests_per_batch=self.config.max_requests_per_batch,
@@ -117,7 +120,8 @@ class Engine:
                       on_split=self._on_split, on_schedule=self.counters.kv_step, on_preempt=self._on_preempt,
                       on_step=self._trace_step)
         was_training = self.model.training
-        manager = RolloutManager(self.model, gen_config, cb_config, RowSlotArgs(table, all_passes=graphs), hooks)
+        verifier = self._speculator.verifier() if self._speculator is not None else None
+        manager = RolloutManager(self.model, gen_config, cb_config, RowSlotArgs(table, graphs, verifier), hooks)
         self.max_request_tokens = manager.max_request_tokens
         self.model.train(was_training)
         self._record_routing(manager)
@@ -233,6 +237,11 @@ class Engine:
             self._requests.ledger.specs[request_id] = spec
         return spec
 
+    def _draftable(self, request_id: str) -> bool:
+        """May the speculator draft for this request (speculator.py): tracked, and its sampling reads no counts of
+        its own earlier tokens (penalties, bias, min_new_tokens are counted once per step)."""
+        return self._requests.is_pending(request_id) and not self._row_spec(request_id).params.adjusts_logits
+
     def _make_row_spec(self, sample: Sample) -> RowSpec:
         """A seeded sample's stream is keyed on (seed, sample index), an unseeded one's on (worker seed, call order,
         prompt index, sample index): the tokens depend on nothing else (batch, timing, preemption, restarts)."""
@@ -258,6 +267,9 @@ class Engine:
     def _on_output(self, output: GenerationOutput) -> None:
         if output.error is None and output.status != RequestStatus.FINISHED and self._on_progress(output):
             return
+        if self._speculator is not None:  # a finished turn feeds the drafts of later samples of its prompt
+            finished = output.status == RequestStatus.FINISHED and output.error is None
+            self._speculator.done(output.request_id, output.prompt_ids, output.generated_tokens if finished else None)
         with self._cond:
             sample, entry = self._requests.take(output.request_id)
             if sample is None:  # cancelled by an abort fence, or already re-run

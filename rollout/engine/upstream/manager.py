@@ -27,6 +27,7 @@ from .blocktable import RolloutCache
 from .preemption import RolloutOffloading
 from .router import RolloutRouter
 from .runner import Record, RolloutIOs, RolloutModelRunner, RowSlotArgs
+from .verify import RolloutProcessor
 
 
 @dataclass(frozen=True)
@@ -60,9 +61,11 @@ class RolloutManager(ContinuousBatchingManager):
         scheduler = processor.scheduler
         scheduler.on_prefix_hit, scheduler.on_split = hooks.on_prefix_hit, hooks.on_split
         scheduler.on_schedule = hooks.on_schedule
+        scheduler.verifier = row_slots.verifier  # speculative decoding (verify.py), sync steps only
         RolloutOffloading.adopt(processor.offloading_manager, lambda ids: self._preempted(row_slots, hooks, ids))
         RolloutModelRunner.adopt(processor.model_runner)
-        RolloutIOs.adopt(processor.inputs_and_outputs, hooks.on_sampled)
+        RolloutIOs.adopt(processor.inputs_and_outputs, hooks.on_sampled, row_slots.verifier)
+        RolloutProcessor.adopt(processor, row_slots.verifier)
         row_slots.table.stream = processor.inputs_and_outputs.compute_stream
 
     @staticmethod

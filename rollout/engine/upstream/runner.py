@@ -32,6 +32,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from ...base.params import MAX_TOP_LOGPROBS
 from ..sampler import ALL, sample_rows
 from ..slots import SlotTable
+from .verify import Verifier
 
 # output_ids: tokens, logprobs (fp32 bits), sampling logprobs (fp32 bits), then MAX_TOP_LOGPROBS rows of top ids and
 # as many of their logprobs (fp32 bits), most likely first (written only on steps where some row asks for them)
@@ -45,12 +46,13 @@ DROPPED = (RequestStatus.FINISHED, RequestStatus.PENDING)
 class RowSlotArgs(ContinuousBatchingLogitsProcessorList):
     """No logits processing (the runner samples); one argument line: the slot of each row that samples."""
 
-    def __init__(self, table: SlotTable, all_passes: bool) -> None:
+    def __init__(self, table: SlotTable, all_passes: bool, verifier: Verifier | None = None) -> None:
         super().__init__(LogitsProcessorList())
         self.tensors_required = 1
         self.table = table
         self.all_passes = all_passes  # a captured step replays one path: it must be the full one
         self.passes = ALL  # this step's sampler passes, read by the runner's forward
+        self.verifier = verifier  # speculative decoding (verify.py); None: every row samples one position
 
     def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
         int32_tensor.fill_(0)  # the table's default row
@@ -62,6 +64,8 @@ class RowSlotArgs(ContinuousBatchingLogitsProcessorList):
             arg_storage[0, len(slots):].zero_()
         if slots:  # otherwise rows past these keep older (valid) slots: their samples are never read
             arg_storage[0, : len(slots)] = torch.tensor(slots, dtype=torch.int32).to(arg_storage.device)
+        if self.verifier is not None:  # a step with drafts computes and samples more positions than rows
+            self.verifier.plan(requests_in_batch, slots, arg_storage.device)
         return arg_storage
 
 
@@ -78,13 +82,20 @@ class RolloutModelRunner(ModelRunner):
 
     def _forward_process_and_sample(self, model, batch_data, carry_over_ids, prev_output_ids, output_ids) -> None:
         self.inputs_and_outputs.carry_over_tokens(batch_data["input_ids"], carry_over_ids, prev_output_ids)
+        args = self.logit_processor
+        plan = args.verifier.plan_ if args.verifier is not None else None
+        if plan is None:
+            indices = batch_data["logits_indices"]  # [num_sequences]: the rows that sample a token come first
+            slots = batch_data["logits_processor_args"][0]
+        else:  # a verify step: every sampling row's first position, then the draft positions (verify.Plan)
+            indices, slots = plan.indices, plan.slots
+            if "logits_to_keep" in batch_data:
+                batch_data["logits_to_keep"] = indices
         logits = model(**batch_data).logits  # [1, num_tokens or num_logits, V]
-        indices = batch_data["logits_indices"]  # [num_sequences]: the rows that sample a token come first
         if "logits_to_keep" not in batch_data:
             logits = logits[:, indices, :]
-        logits = logits[0].float()  # [num_sequences, V]
-        args = self.logit_processor
-        rows = args.table.rows(batch_data["logits_processor_args"][0, : logits.shape[0]], args.passes)
+        logits = logits[0].float()  # [num_sequences (+ draft positions), V]
+        rows = args.table.rows(slots[: logits.shape[0]], args.passes)
         positions = batch_data["position_ids"][0].index_select(0, indices.long()).long()  # of each row's last token
         drawn = sample_rows(logits, rows, positions, args.passes)
         args.table.count(rows, drawn.tokens)  # penalties count what each row sampled (steps with the adjust pass)
@@ -127,32 +138,40 @@ class RolloutIOs(ContinuousBatchingIOs):
     """Step inputs and outputs with the sampling-logprob and top-list rows, read back with upstream's two."""
 
     record: Record
+    verifier: Verifier | None
 
     @classmethod
-    def adopt(cls, ios, record: Record) -> None:
+    def adopt(cls, ios, record: Record, verifier: Verifier | None = None) -> None:
         """Every ContinuousBatchingIOs of a batch processor: its one, or the host and device halves of both async
         pairs. Before any step: no captured graph holds the old output tensor."""
         for io in _all_ios(ios, hosts=True):
             io.__class__ = cls
             io.record = record
+            io.verifier = verifier
             old = io.output_ids
             io.output_ids = torch.zeros((OUTPUT_ROWS, old.shape[1]), dtype=old.dtype, device=old.device,
                                         pin_memory=old.is_pinned())
 
     def prepare_batch_update(self):
-        count = self.num_request_in_batch
+        verifier = self.verifier
+        plan = verifier.plan_ if verifier is not None else None
+        count = self.num_request_in_batch if plan is None else plan.num_columns
         outputs = self.output_ids[:, :count].cpu()  # the step's one read-back (a no-op copy on CPU)
         sampling = outputs[2].view(dtype=torch.float32).tolist()
+        tokens, logprobs = outputs[0].tolist(), outputs[1].view(dtype=torch.float32).tolist()
         ids, values, columns, row = [], [], [], 0
         for future in self.requests_in_batch:  # sampling rows are the new-token requests, in order
             if future.has_new_token:
                 if future.state.status not in DROPPED:
-                    ids.append(future.state.request_id)
-                    values.append(sampling[row])
-                    columns.append(row)
+                    # a verify row emits one token or more (verify.py): each recorded in order, from its column
+                    emitted = [row] if plan is None else verifier.accept(future.state, row, tokens, logprobs)
+                    for column in emitted:
+                        ids.append(future.state.request_id)
+                        values.append(sampling[column])
+                        columns.append(column)
                 row += 1
         self.record(ids, values, TopReader(outputs, columns))
-        return self.requests_in_batch, outputs[0].tolist(), outputs[1].view(dtype=torch.float32).tolist()
+        return self.requests_in_batch, tokens, logprobs
 
 
 def _all_ios(ios, hosts: bool = False) -> list[ContinuousBatchingIOs]:

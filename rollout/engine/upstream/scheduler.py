@@ -12,6 +12,8 @@ from collections.abc import Callable
 from transformers.generation.continuous_batching.requests import RequestStatus
 from transformers.generation.continuous_batching.scheduler import FIFOScheduler
 
+from .verify import Verifier
+
 SCHEDULER_NAME = "rollout_fifo"
 CHILD_SEPARATOR = "__child#"
 
@@ -26,6 +28,7 @@ class RolloutScheduler(FIFOScheduler):
     on_prefix_hit: Callable[[str, int], None] | None = None
     on_split: Callable[[str, int], None] | None = None
     on_schedule: Callable[[object], None] | None = None
+    verifier: Verifier | None = None  # speculative decoding (verify.py): a decoding request's drafts join its token
 
     def schedule_batch(self, token_budget: int, cache_budget: int):
         # upstream's preemption sets block_new_requests (admit nothing new until the survivors make room) and only a
@@ -34,6 +37,8 @@ class RolloutScheduler(FIFOScheduler):
         # again: the engine idled with an empty cache (found by benchmarks/chaos.py). Nothing running: admit.
         if self.block_new_requests and not self.active_requests:
             self.block_new_requests = False
+        if self.verifier is not None:
+            self.verifier.begin(sum(s.status == RequestStatus.DECODING for s in self.active_requests.values()))
         scheduled = super().schedule_batch(token_budget, cache_budget)
         if self.on_schedule is not None:
             self.on_schedule(self.cache)
@@ -41,6 +46,8 @@ class RolloutScheduler(FIFOScheduler):
 
     def _infer_request_tokens(self, state, request_ids_to_remove_from_waiting) -> list[int]:
         was_pending = state.status == RequestStatus.PENDING and not state.is_cpu_offloaded
+        if state.status == RequestStatus.DECODING and self.verifier is not None:
+            return self.verifier.tokens(state, self.cache)  # its next token, then its drafts
         tokens = super()._infer_request_tokens(state, request_ids_to_remove_from_waiting)
         # a hit moves the request out of PENDING with its position advanced past the cached tokens, once
         if was_pending and state.status != RequestStatus.PENDING and state.position_offset > 0 \
@@ -51,6 +58,10 @@ class RolloutScheduler(FIFOScheduler):
     def _schedule_request(self, state, request_tokens, token_budget, request_ids_to_remove_from_waiting) -> None:
         if state.num_children > 0 and len(request_tokens) <= 1 and state.status != RequestStatus.DECODING:
             self._split_children(state)
+        if state.status == RequestStatus.DECODING and len(request_tokens) > token_budget \
+                and self.verifier is not None:
+            self.verifier.trim(state, token_budget)  # fewer drafts; upstream would split it like a prompt
+            return
         super()._schedule_request(state, request_tokens, token_budget, request_ids_to_remove_from_waiting)
 
     def _split_children(self, state) -> None:

@@ -1,0 +1,273 @@
+"""Speculative decoding: with the same seeds, the rows with speculation on are those with it off, bit for bit, and
+every logprob is exact under the weights of its own version; rollback leaves nothing behind.
+
+Most tests draft from a replay of a plain run (`Replay`): at every position it proposes what that run produced
+next, with every third draft token wrong, so verify steps both accept and reject, inside and across pages. The
+draft sources themselves (context, history) are pinned in test_drafts.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from conftest import reference_logprobs
+from rollout import RolloutWorker, SamplingParams, WorkerConfig
+from rollout.base.errors import InvalidArgument
+from rollout.base.speculation import Speculation
+from rollout.engine import speculator as speculator_module
+
+TOL = 1e-5
+VOCAB = 512
+
+
+def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, 500, (n,), generator=gen).tolist() for n in lengths]
+
+
+class ReplayRow:
+    def __init__(self, sequences: list[list[int]], prompt: list[int], wrong_every: int) -> None:
+        self.sequences, self.tokens, self.wrong_every = sequences, list(prompt), wrong_every
+
+    def extend(self, tokens) -> None:
+        self.tokens.extend(tokens)
+
+    def propose(self, k: int) -> list[int]:
+        n = len(self.tokens)
+        for sequence in self.sequences:
+            if sequence[:n] == self.tokens:
+                drafts = sequence[n:n + k]
+                return [(t + 1) % VOCAB if (n + i) % self.wrong_every == 0 else t for i, t in enumerate(drafts)]
+        return []
+
+
+class Replay:
+    """A draft index that replays the full sequences (prompt + completion) of a plain run."""
+
+    def __init__(self, batch, wrong_every: int = 3) -> None:
+        self.sequences = [list(batch.prompt_ids[r]) + batch.completion_ids[r, : int(batch.completion_lengths[r])]
+                          .tolist() for r in range(len(batch))]
+        self.wrong_every = wrong_every
+        self.recorded = 0
+
+    def __call__(self, spec):  # stands in for DraftIndex(spec)
+        return self
+
+    def row(self, prompt):
+        return ReplayRow(self.sequences, prompt, self.wrong_every)
+
+    def record(self, prompt, completion) -> None:
+        self.recorded += 1
+
+    def clear(self) -> None:
+        pass
+
+
+def speculative(config: WorkerConfig, max_draft_tokens: int = 4) -> WorkerConfig:
+    import dataclasses
+
+    return dataclasses.replace(config, speculation=Speculation(mode="always", max_draft_tokens=max_draft_tokens))
+
+
+def run_both(model, tok, prompts, params, config: WorkerConfig, monkeypatch, **kwargs):
+    """(plain batch, speculative batch, speculator counts) for the same call; the speculative worker's metrics are
+    kept on the counts (`.metrics`)."""
+    with RolloutWorker(model, config, tokenizer=tok) as worker:
+        plain = worker.generate(prompts, params, **kwargs)
+    monkeypatch.setattr(speculator_module, "DraftIndex", Replay(plain))
+    with RolloutWorker(model, speculative(config), tokenizer=tok) as worker:
+        drafted = worker.generate(prompts, params, **kwargs)
+        counts = worker.engine._speculator.counts
+        counts.metrics = worker.metrics()
+    return plain, drafted, counts
+
+
+def assert_same_rows(plain, drafted) -> None:
+    assert torch.equal(drafted.completion_ids, plain.completion_ids)
+    assert torch.equal(drafted.completion_mask, plain.completion_mask)
+    assert drafted.finish_reason == plain.finish_reason
+    assert float((drafted.logprobs - plain.logprobs).abs().max()) <= TOL
+    assert float((drafted.sampling_logprobs - plain.sampling_logprobs).abs().max()) <= TOL
+
+
+def assert_exact(model, batch, params_of) -> None:
+    for r in range(len(batch)):
+        n = int(batch.completion_lengths[r])
+        p = params_of(r)
+        full, truncated = reference_logprobs(model, batch.prompt_ids[r], batch.completion_ids[r, :n].tolist(),
+                                             p.temperature, p.top_k, p.top_p)
+        assert float((batch.logprobs[r, :n] - full).abs().max()) <= TOL
+        assert float((batch.sampling_logprobs[r, :n] - truncated).abs().max()) <= TOL
+
+
+def test_drafted_rows_equal_plain_rows_across_sampling_modes_and_pages(tiny, monkeypatch):
+    model, tok = tiny
+    prompts = prompts_of([5, 1, 17, 33, 8])
+    params = [SamplingParams(n=3, temperature=1.0, max_new_tokens=37, ignore_eos=True, seed=1),
+              SamplingParams(temperature=0.0, max_new_tokens=21, ignore_eos=True),
+              SamplingParams(n=2, temperature=0.7, top_k=20, max_new_tokens=30, ignore_eos=True, seed=2),
+              SamplingParams(n=2, temperature=1.3, top_p=0.9, max_new_tokens=2, ignore_eos=True, seed=3),
+              SamplingParams(temperature=1.0, max_new_tokens=1, ignore_eos=True, seed=4)]
+    config = WorkerConfig(page_size=4, max_batch_tokens=64)
+    plain, drafted, counts = run_both(model, tok, prompts, params, config, monkeypatch)
+    assert_same_rows(plain, drafted)
+    rows = [p for p in params for _ in range(p.n)]
+    assert_exact(model, drafted, lambda r: rows[r])
+    assert counts.accepted > 0 and counts.rolled_back > 0 and counts.emitted > counts.verify_rows
+    # a budget of 2 leaves 1 draft at most, a budget of 1 none: no row ever runs past max_new_tokens
+    assert drafted.completion_lengths.tolist() == plain.completion_lengths.tolist()
+
+
+def test_a_stop_token_inside_a_draft_ends_the_row_there(tiny, monkeypatch):
+    model, tok = tiny
+    prompts = prompts_of([9, 12])
+    probe = SamplingParams(n=2, temperature=1.0, max_new_tokens=30, ignore_eos=True, seed=5)
+    with RolloutWorker(model, WorkerConfig(), tokenizer=tok) as worker:
+        free = worker.generate(prompts, probe)
+    stop = int(free.completion_ids[0, 10])  # a token the first row samples mid-completion
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=30, seed=5, stop_token_ids=(stop,))
+    plain, drafted, counts = run_both(model, tok, prompts, params, WorkerConfig(), monkeypatch)
+    assert_same_rows(plain, drafted)
+    assert "stop" in drafted.finish_reason and int(drafted.completion_lengths[0]) <= 11
+    assert counts.accepted > 0
+
+
+def test_drafted_rows_under_kv_pressure_preempt_and_stay_identical(tiny, monkeypatch):
+    model, tok = tiny
+    prompts = prompts_of([30, 41, 27, 35])
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=48, ignore_eos=True, seed=7)
+    config = WorkerConfig(page_size=4, num_blocks=64, max_batch_tokens=64)
+    plain, drafted, counts = run_both(model, tok, prompts, params, config, monkeypatch)
+    assert_same_rows(plain, drafted)
+    assert counts.accepted > 0 and counts.metrics.preemptions > 0
+
+
+def test_rollback_leaves_no_page_and_no_prefix_hash_of_a_rejected_draft(tiny, monkeypatch):
+    model, tok = tiny
+    prompts = prompts_of([13, 22, 7])
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=29, ignore_eos=True, seed=9)
+    config = WorkerConfig(page_size=4, max_batch_tokens=64)
+    pages = {}
+    with RolloutWorker(model, config, tokenizer=tok) as worker:
+        plain = worker.generate(prompts, params)
+        pages["plain"] = hashed_pages(worker)
+    monkeypatch.setattr(speculator_module, "DraftIndex", Replay(plain, wrong_every=2))
+    with RolloutWorker(model, speculative(config), tokenizer=tok) as worker:
+        drafted = worker.generate(prompts, params)
+        pages["drafted"] = hashed_pages(worker)
+        metrics = worker.metrics()
+    assert_same_rows(plain, drafted)
+    assert metrics.kv_pages_used == 0 and worker.engine._speculator.counts.rolled_back > 0
+    # the same full pages of real tokens are cached, and nothing else
+    assert pages["drafted"] == pages["plain"] and pages["plain"]
+
+
+def hashed_pages(worker) -> set[int]:
+    cache = worker.engine._manager.batch_processor.cache
+    return {h for allocator in cache.cache_allocators.values() for h in allocator.ledger.hash_to_block}
+
+
+def test_top_logprobs_of_drafted_tokens_equal_plain_decodings(tiny, monkeypatch):
+    model, tok = tiny
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=25, ignore_eos=True, seed=11, top_logprobs=3)
+    plain, drafted, counts = run_both(model, tok, prompts_of([6, 19]), params, WorkerConfig(), monkeypatch)
+    assert_same_rows(plain, drafted)
+    assert torch.equal(drafted.top_ids, plain.top_ids)
+    assert float((drafted.top_logprobs - plain.top_logprobs).nan_to_num(0, 0, 0).abs().max()) <= TOL
+    assert counts.accepted > 0
+
+
+def test_rows_with_penalties_are_never_drafted_and_others_still_are(tiny, monkeypatch):
+    model, tok = tiny
+    params = [SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True, seed=1, presence_penalty=0.5),
+              SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True, seed=2)]
+    plain, drafted, counts = run_both(model, tok, prompts_of([8, 8]), params, WorkerConfig(), monkeypatch)
+    assert_same_rows(plain, drafted)
+    assert 0 < counts.verify_rows <= 19  # only the second row's steps
+
+
+def test_a_failing_draft_source_gives_no_drafts_and_the_same_rows(tiny, monkeypatch):
+    model, tok = tiny
+
+    class Broken(Replay):
+        def row(self, prompt):
+            raise RuntimeError("draft source down")
+
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=15, ignore_eos=True, seed=3)
+    with RolloutWorker(model, WorkerConfig(), tokenizer=tok) as worker:
+        plain = worker.generate(prompts_of([7]), params)
+    monkeypatch.setattr(speculator_module, "DraftIndex", Broken(plain))
+    with RolloutWorker(model, speculative(WorkerConfig()), tokenizer=tok) as worker:
+        drafted = worker.generate(prompts_of([7]), params)
+        assert worker.engine._speculator.counts.verify_rows == 0
+    assert_same_rows(plain, drafted)
+
+
+def test_speculation_config_is_validated_by_name():
+    with pytest.raises(InvalidArgument, match="speculation"):
+        WorkerConfig(speculation="ngram")
+    with pytest.raises(InvalidArgument, match="record_routing"):
+        WorkerConfig(speculation=Speculation(), record_routing=True)
+    assert WorkerConfig(speculation=Speculation(mode="off"), record_routing=True).record_routing
+
+
+class Echo:
+    """An environment answering every turn with a short observation that depends on the episode and turn."""
+
+    def __init__(self, prompt_index: int, sample_index: int) -> None:
+        self.key, self.turns = (prompt_index, sample_index), 0
+
+    def step(self, completion_ids):
+        from rollout import Turn
+
+        self.turns += 1
+        p, s = self.key
+        return Turn(observation_ids=[(20 + 7 * p + 3 * s + 11 * self.turns + i) % 480 + 10 for i in range(5)],
+                    reward=1.0)
+
+
+def test_episodes_draft_model_turns_only_and_equal_plain_episodes(tiny, monkeypatch):
+    model, tok = tiny
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=9, ignore_eos=True, seed=3)
+    plain, drafted, counts = run_both(model, tok, prompts_of([11, 4]), params, WorkerConfig(page_size=4),
+                                      monkeypatch, env=Echo, max_turns=3)
+    assert_same_rows(plain, drafted)
+    assert torch.equal(drafted.action_mask, plain.action_mask) and counts.accepted > 0
+    # every drafted token is a model token: the engine never verified more tokens than the model turns emitted
+    assert counts.emitted <= int(drafted.action_mask.sum())
+
+
+def test_a_recompute_update_mid_call_tags_drafted_tokens_with_the_version_that_verified_them(tiny_path, monkeypatch):
+    from rollout.testing import load_tiny_model
+
+    v0, tok = load_tiny_model(tiny_path)
+    v1, _ = load_tiny_model(tiny_path)
+    gen = torch.Generator().manual_seed(1)
+    v1.load_state_dict({k: t + 0.3 * torch.randn(t.shape, generator=gen) * t.std()
+                        if t.is_floating_point() and t.numel() > 1 else t for k, t in v0.state_dict().items()})
+    prompts = prompts_of([5, 23])
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=90, ignore_eos=True)
+    config = WorkerConfig(page_size=16, max_batch_tokens=64)
+    with RolloutWorker(tiny_path, config) as worker:
+        plain = worker.generate(prompts, params)
+    monkeypatch.setattr(speculator_module, "DraftIndex", Replay(plain, wrong_every=7))
+    with RolloutWorker(tiny_path, speculative(config)) as worker:
+        future = worker.submit(prompts, params)
+        ledger = worker.engine._requests.ledger
+        while not ledger.versions or min(len(v) for v in list(ledger.versions.values())) < 10:
+            time.sleep(0.001)
+        worker.update_weights(v1.state_dict(), in_flight="recompute")
+        batch = future.result(timeout=120)
+        counts = worker.engine._speculator.counts
+    assert counts.accepted > 0
+    for r in range(len(batch)):
+        n = int(batch.completion_lengths[r])
+        ids, versions = batch.completion_ids[r, :n].tolist(), batch.token_versions[r, :n]
+        assert set(versions.tolist()) == {0, 1} and (versions[1:] >= versions[:-1]).all()
+        for version, model in ((0, v0), (1, v1)):
+            full, _ = reference_logprobs(model, batch.prompt_ids[r], ids)
+            at = versions == version
+            assert float((batch.logprobs[r, :n][at] - full[at]).abs().max()) <= TOL
