@@ -96,7 +96,7 @@ def test_counters_equal_the_returned_rows_for_plain_calls_n_samples_and_prefix_h
     assert want["prompt_tokens"] == 5 + 20 + 3 * 33 + 40 and want["prefix_cache_reused_tokens"] == 16 + 3 * 32 + 32
     assert want["rows_finished"] == {"length": 12} and delta["sampled_tokens"] == 12 * 10
     assert sampled.stats == dict(prompt_tokens=want["prompt_tokens"], reused_tokens=want["prefix_cache_reused_tokens"],
-                                 prefill_tokens=want["prefill_tokens"])
+                                 prefill_tokens=want["prefill_tokens"], draft_tokens=0, accepted_tokens=0)
     assert after.prefix_cache_hit_rate == after.prefix_cache_reused_tokens / after.prompt_tokens
     assert_idle(after)
     assert after.kv_pages_cached > 0  # the prompts' full pages stay cached for the next call

@@ -52,6 +52,7 @@ class Replay:
                           .tolist() for r in range(len(batch))]
         self.wrong_every = wrong_every
         self.recorded = 0
+        self.memory_bytes = 0
 
     def __call__(self, spec):  # stands in for DraftIndex(spec)
         return self
@@ -271,3 +272,17 @@ def test_a_recompute_update_mid_call_tags_drafted_tokens_with_the_version_that_v
             full, _ = reference_logprobs(model, batch.prompt_ids[r], ids)
             at = versions == version
             assert float((batch.logprobs[r, :n][at] - full[at]).abs().max()) <= TOL
+
+
+def test_metrics_and_batch_stats_count_drafted_accepted_and_rolled_back_tokens(tiny, monkeypatch):
+    model, tok = tiny
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=20, ignore_eos=True, seed=2)
+    plain, drafted, counts = run_both(model, tok, prompts_of([9, 14]), params, WorkerConfig(), monkeypatch)
+    metrics = counts.metrics
+    assert metrics.draft_tokens == counts.drafted == drafted.stats["draft_tokens"] > 0
+    assert metrics.draft_accepted_tokens == counts.accepted == drafted.stats["accepted_tokens"] > 0
+    assert metrics.draft_rolled_back_tokens == counts.drafted - counts.accepted > 0
+    assert metrics.draft_tokens_per_row_step == (counts.accepted + counts.verify_rows) / counts.verify_rows > 1
+    assert plain.stats["draft_tokens"] == 0 and metrics.flat()["rollout/draft_tokens"] == counts.drafted
+    # every token of the call was emitted either by a plain step or a verify row-step
+    assert counts.emitted <= int(drafted.completion_mask.sum())

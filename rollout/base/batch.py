@@ -36,6 +36,8 @@ class Row:
     token_versions: list[int] | None = None  # per completion token (-1 on observations); None: all policy_version
     prompt_tokens: int = 0  # tokens the row's engine requests were prompted with (n samples: on sample 0's row)
     reused_tokens: int = 0  # of those, served by the prefix cache
+    draft_tokens: int = 0  # speculation: draft tokens its engine requests verified
+    accepted_tokens: int = 0  # of those, kept
     segment_index: int = 0  # which segment of its episode (0 without an environment)
     turn_rewards: list[float] | None = None  # per completion token: a turn's reward on its last token; None: zeros
     routing: Routing | None = None  # the row's experts (one row), when the worker records routing
@@ -83,7 +85,8 @@ class RolloutBatch:
     top_logprobs: None, or (R, T, K) float32, their logprobs under the same log_softmax(logits / T) as `logprobs`
         (the sampled token's entry, when listed, equals its `logprobs` value); -inf where `top_ids` is -1.
     stats: counts of the call: `prompt_tokens` (what its engine requests were prompted with, every turn of an
-        episode counted), `reused_tokens` (of those, served by the prefix cache), `prefill_tokens` (the rest).
+        episode counted), `reused_tokens` (of those, served by the prefix cache), `prefill_tokens` (the rest);
+        with speculation, `draft_tokens` (drafts its requests verified) and `accepted_tokens` (of those, kept).
     """
 
     prompt_ids: list[list[int]]
@@ -197,7 +200,7 @@ class RolloutBatch:
         """The call's token counts travel on its first row, so merged batches add up."""
         if i > 0:
             return {}
-        return {name: self.stats.get(name, 0) for name in ("prompt_tokens", "reused_tokens")}
+        return {name: self.stats.get(name, 0) for name in ROW_COUNTS}
 
     def completion_token_lists(self) -> list[list[int]]:
         return [self.completion_ids[i, : int(n)].tolist() for i, n in enumerate(self.completion_lengths)]
@@ -269,7 +272,10 @@ def _tops(rows: Sequence[Row], width: int) -> dict[str, torch.Tensor | None]:
             "top_logprobs": torch.tensor(values, dtype=torch.float32).view(len(rows), width, k)}
 
 
+ROW_COUNTS = ("prompt_tokens", "reused_tokens", "draft_tokens", "accepted_tokens")  # a call's, summed over its rows
+
+
 def _stats(rows: Sequence[Row]) -> dict[str, int]:
-    prompt = sum(r.prompt_tokens for r in rows)
-    reused = sum(r.reused_tokens for r in rows)
-    return {"prompt_tokens": prompt, "reused_tokens": reused, "prefill_tokens": prompt - reused}
+    stats = {name: sum(getattr(r, name) for r in rows) for name in ROW_COUNTS}
+    stats["prefill_tokens"] = stats["prompt_tokens"] - stats["reused_tokens"]
+    return stats

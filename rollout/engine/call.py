@@ -33,6 +33,13 @@ class Sample:
     prompt_tokens: int = 0  # tokens its engine requests were prompted with (forked samples: on the head sample, unless
     # split off as a request of their own: see scheduler.py)
     reused_tokens: int = 0  # of those, tokens served by the prefix cache instead of prefilled
+    draft_tokens: int = 0  # speculation: draft tokens its engine requests verified (engine thread)
+    accepted_tokens: int = 0  # of those, kept
+
+    def counts(self) -> dict[str, int]:
+        """The call's counts its rows carry (RolloutBatch.stats)."""
+        return dict(prompt_tokens=self.prompt_tokens, reused_tokens=self.reused_tokens,
+                    draft_tokens=self.draft_tokens, accepted_tokens=self.accepted_tokens)
 
     def context(self) -> list[int]:
         """What the next engine request is prompted with: the prompt, or an episode's current segment so far."""

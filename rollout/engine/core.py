@@ -96,7 +96,7 @@ class Engine:
         # the MoE routers whose choices are recorded (WorkerConfig.record_routing; an unknown router fails here)
         self._routers = find_routers(model) if self.config.record_routing else None
         self._recorder: RoutingRecorder | None = None
-        self._speculator = Speculator.of(self.config, self._draftable)  # None: speculation off
+        self._speculator = Speculator.of(self.config, self._draftable, self._drafted)  # None: speculation off
         self._manager = self._build_manager()
         self._supervisor = threading.Thread(target=self._supervise, daemon=True, name="rollout-supervisor")
         self._supervisor.start()
@@ -242,6 +242,13 @@ class Engine:
         its own earlier tokens (penalties, bias, min_new_tokens are counted once per step)."""
         return self._requests.is_pending(request_id) and not self._row_spec(request_id).params.adjusts_logits
 
+    def _drafted(self, request_id: str, drafted: int, accepted: int) -> None:
+        """A verify row's counts, on its sample (engine thread; a forked child's on its own sample)."""
+        sample = self._requests.pending.get(request_id)
+        if sample is not None:
+            sample.draft_tokens += drafted
+            sample.accepted_tokens += accepted
+
     def _make_row_spec(self, sample: Sample) -> RowSpec:
         """A seeded sample's stream is keyed on (seed, sample index), an unseeded one's on (worker seed, call order,
         prompt index, sample index): the tokens depend on nothing else (batch, timing, preemption, restarts)."""
@@ -328,8 +335,8 @@ class Engine:
         self.counters.row(finish, versions, self.version)
         top_ids, top_logprobs = split_tops(entry.tops, len(tokens))
         return Row(sample.prompt_index, sample.sample_index, sample.prompt_ids, tokens, list(output.logprobs),
-                   entry.sampling[: len(tokens)], finish, min(versions), prompt_tokens=sample.prompt_tokens,
-                   reused_tokens=sample.reused_tokens, token_versions=versions, routing=routing,
+                   entry.sampling[: len(tokens)], finish, min(versions), **sample.counts(),
+                   token_versions=versions, routing=routing,
                    top_ids=top_ids, top_logprobs=top_logprobs)
 
     def _turn_done(self, sample: Sample, output: GenerationOutput, entry: Entry, routing: Routing | None) -> None:
@@ -584,6 +591,8 @@ class Engine:
                        recomputed_requests=self.num_recomputed, policy_version=self.version,
                        sleeping=int(self.is_sleeping), episodes_in_env_step=len(self._driver.stepping),
                        requests_waiting=0, requests_running=0, kv_pages_total=0, kv_pages_used=0, kv_pages_cached=0)
+            if self._speculator is not None:
+                now.update(self._speculator.metrics())
         processor = getattr(manager, "batch_processor", None)
         if processor is not None:  # read without stopping the loop: a page count may be a step old
             scheduler = processor.scheduler

@@ -69,8 +69,7 @@ class EpisodeDriver:
         the sample)."""
         episode = sample.episode
         self._stepper.close_env(episode.env)
-        *sample.segment_rows, last = episode.rows(sample.prompt_index, sample.sample_index,
-                                                  sample.prompt_tokens, sample.reused_tokens)
+        *sample.segment_rows, last = episode.rows(sample.prompt_index, sample.sample_index, sample.counts())
         self._counters.episode(episode.finish_reason, [v for seg in episode.segments for v in seg.token_versions],
                                self._version(), episode.num_turns, rows=len(episode.segments))
         return last

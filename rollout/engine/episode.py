@@ -131,20 +131,19 @@ class Episode:
                          model=False)
         return True
 
-    def rows(self, prompt_index: int, sample_index: int, prompt_tokens: int, reused_tokens: int) -> list[Row]:
+    def rows(self, prompt_index: int, sample_index: int, counts: dict[str, int]) -> list[Row]:
         """One row per segment; the episode's reward, finish reason, turns and error on each; the call's token
         counts on the first."""
         rows = []
         for index, seg in enumerate(self.segments):
             version = min((v for v in seg.token_versions if v >= 0), default=0)
-            counts = dict(prompt_tokens=prompt_tokens, reused_tokens=reused_tokens) if index == 0 else {}
             top_ids, top_logprobs = split_tops(seg.tops, len(seg.tokens))
             rows.append(Row(prompt_index, sample_index, list(seg.prompt), list(seg.tokens), list(seg.logprobs),
                             list(seg.sampling_logprobs), self.finish_reason, version,
                             action_mask=list(seg.action_mask), reward=self.reward, num_turns=self.num_turns,
                             error=self.error, token_versions=list(seg.token_versions), segment_index=index,
                             turn_rewards=list(seg.turn_rewards), routing=seg.routing, top_ids=top_ids,
-                            top_logprobs=top_logprobs, **counts))
+                            top_logprobs=top_logprobs, **(counts if index == 0 else {})))
         return rows
 
     def reset(self) -> None:

@@ -57,8 +57,10 @@ class SpeculationCounts:
 
 
 class Speculator:
-    def __init__(self, spec: Speculation, index, eligible: Callable[[str], bool], thin_rows: int) -> None:
+    def __init__(self, spec: Speculation, index, eligible: Callable[[str], bool], thin_rows: int,
+                 on_row: Callable[[str, int, int], None] = lambda request_id, drafted, accepted: None) -> None:
         self.spec = spec
+        self.on_row = on_row  # each verify row's (request id, drafted, accepted): the engine counts them per call
         self.index = index  # drafts.DraftIndex
         self.eligible = eligible  # request id -> may it be drafted (its sampling params allow it)
         self.thin_rows = thin_rows
@@ -68,12 +70,13 @@ class Speculator:
         self._proposals = 0
 
     @classmethod
-    def of(cls, config: WorkerConfig, eligible: Callable[[str], bool]) -> "Speculator | None":
+    def of(cls, config: WorkerConfig, eligible: Callable[[str], bool],
+           on_row: Callable[[str, int, int], None]) -> "Speculator | None":
         """The engine's speculator, or None when the config has speculation off."""
         spec = config.speculation
         if spec is None or spec.mode == "off":
             return None
-        return cls(spec, DraftIndex(spec), eligible, THIN_ROWS)
+        return cls(spec, DraftIndex(spec), eligible, THIN_ROWS, on_row)
 
     def verifier(self) -> Verifier:
         """The hooks a new manager's scheduler, runner and processor call (upstream/verify.py)."""
@@ -87,6 +90,13 @@ class Speculator:
                 self.index.record(prompt, completion)
             except Exception as error:
                 log.warning("rollout: the draft history could not record a completion (%s)", error)
+
+    def metrics(self) -> dict[str, int]:
+        """What `RolloutWorker.metrics()` reports of speculation (rollout/metrics/snapshot.py)."""
+        counts = self.counts
+        return dict(draft_tokens=counts.drafted, draft_accepted_tokens=counts.accepted,
+                    draft_rolled_back_tokens=counts.rolled_back, draft_verify_row_steps=counts.verify_rows,
+                    draft_history_bytes=int(self.index.memory_bytes))
 
     def begin(self, num_decoding: int) -> None:
         """A step is being scheduled with this many decoding requests."""
@@ -120,6 +130,7 @@ class Speculator:
             counts.accepted += accepted
             counts.verify_rows += 1
             counts.emitted += accepted + 1
+            self.on_row(request_id, drafted, accepted)
             row = self.rows.get(request_id)
             if row is not None and drafted:
                 row.acceptance = 0.5 * row.acceptance + 0.5 * accepted / drafted

@@ -65,6 +65,12 @@ METRICS: tuple[Metric, ...] = (
     Metric("recompute_tokens", COUNTER, "tokens", "KV tokens recomputed under the new weights by \"recompute\" "
            "updates"),
     Metric("env_step_errors", COUNTER, "steps", "environment steps that raised or timed out"),
+    Metric("draft_tokens", COUNTER, "tokens", "speculation: draft tokens fed to verify forwards"),
+    Metric("draft_accepted_tokens", COUNTER, "tokens", "of draft_tokens, kept (each the very token plain decoding "
+           "samples there)"),
+    Metric("draft_rolled_back_tokens", COUNTER, "tokens", "of draft_tokens, rolled back (their KV positions freed)"),
+    Metric("draft_verify_row_steps", COUNTER, "row-steps", "a row's step that verified drafts (one forward position "
+           "per draft, plus its own)"),
     Metric("tokens_by_versions_behind", HISTOGRAM, "tokens", "model tokens of finished rows by how many versions "
            "the engine's weights had moved on from those that made the token, when the row finished"),
     Metric("env_step_seconds", HISTOGRAM, "seconds", "environment step latency (make_env included on the first)"),
@@ -79,6 +85,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("kv_pages_peak", GAUGE, "pages", "most pages held by requests at once since the worker started (fleet: "
            "the most of any actor)", combine="max"),
     Metric("prefix_cache_hit_rate", GAUGE, "ratio", "prefix_cache_reused_tokens / prompt_tokens since the start"),
+    Metric("draft_tokens_per_row_step", GAUGE, "tokens", "speculation: tokens a verifying row's step emits on average "
+           "((draft_accepted_tokens + draft_verify_row_steps) / draft_verify_row_steps; 1 without drafts)"),
+    Metric("draft_history_bytes", GAUGE, "bytes", "speculation: memory the history draft source holds"),
     Metric("policy_version", GAUGE, "version", "the weights version rows are generated with now", combine="max"),
     Metric("sleeping", GAUGE, "workers", "1 while the worker sleeps (fleet: actors asleep)"),
 )
@@ -138,6 +147,10 @@ class WorkerMetrics:
     recomputed_requests: int = 0
     recompute_tokens: int = 0
     env_step_errors: int = 0
+    draft_tokens: int = 0
+    draft_accepted_tokens: int = 0
+    draft_rolled_back_tokens: int = 0
+    draft_verify_row_steps: int = 0
     tokens_by_versions_behind: dict[int, int] = field(default_factory=dict)  # versions behind -> tokens (exact)
     env_step_seconds: Histogram | None = None
     requests_waiting: int = 0
@@ -149,6 +162,8 @@ class WorkerMetrics:
     kv_pages_free: int = 0
     kv_pages_peak: int = 0
     prefix_cache_hit_rate: float = 0.0
+    draft_tokens_per_row_step: float = 1.0
+    draft_history_bytes: int = 0
     policy_version: int = 0
     sleeping: int = 0
 
@@ -169,7 +184,8 @@ class WorkerMetrics:
             tokens_by_versions_behind=dict(sorted(counters.tokens_by_versions_behind.items())),
             env_step_seconds=Histogram(hist.bounds, tuple(hist.counts), hist.sum, hist.count),
             kv_pages_free=max(kv_free, 0), kv_pages_peak=counters.kv_pages_peak,
-            prefix_cache_hit_rate=reused / prompt if prompt else 0.0, **engine)
+            prefix_cache_hit_rate=reused / prompt if prompt else 0.0,
+            draft_tokens_per_row_step=_per_row_step(engine), **engine)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -189,6 +205,7 @@ class WorkerMetrics:
             values[metric.name] = _combine(a, b, metric.combine)
         prompt, reused = values["prompt_tokens"], values["prefix_cache_reused_tokens"]
         values["prefix_cache_hit_rate"] = reused / prompt if prompt else 0.0
+        values["draft_tokens_per_row_step"] = _per_row_step(values)
         return WorkerMetrics(**values)
 
     def counters_only(self) -> "WorkerMetrics":
@@ -241,6 +258,11 @@ def _combine(a: Any, b: Any, how: str) -> Any:
     if a is None or b is None:  # a histogram one side has not got
         return b if a is None else a
     return max(a, b) if how == "max" else a + b
+
+
+def _per_row_step(counts: dict) -> float:
+    steps = counts.get("draft_verify_row_steps", 0)
+    return (counts.get("draft_accepted_tokens", 0) + steps) / steps if steps else 1.0
 
 
 def _zero(value: Any) -> Any:
