@@ -286,3 +286,34 @@ def test_metrics_and_batch_stats_count_drafted_accepted_and_rolled_back_tokens(t
     assert plain.stats["draft_tokens"] == 0 and metrics.flat()["rollout/draft_tokens"] == counts.drafted
     # every token of the call was emitted either by a plain step or a verify row-step
     assert counts.emitted <= int(drafted.completion_mask.sum())
+
+
+def test_auto_drafts_where_the_measured_cost_model_says_it_pays():
+    from rollout.engine.speculator import StepCosts, best_draft_length
+
+    flat, linear = StepCosts(), StepCosts()
+    for tokens in (1, 2, 4, 8, 16, 32, 64, 128):
+        flat.observe(tokens, 0.010, verify=False)
+        flat.observe(tokens, 0.011, verify=True)
+        linear.observe(tokens, 0.001 * tokens, verify=False)
+        linear.observe(tokens, 0.001 * tokens, verify=True)
+    assert best_draft_length(4, 0.8, 4, flat) == 4  # extra tokens cost nothing: draft all the way
+    assert best_draft_length(4, 0.05, 4, flat) == 0  # rarely kept: not worth the verify path's own cost
+    assert best_draft_length(4, 0.9, 4, linear) == 0  # a compute-bound step: every draft costs a token's time
+    assert best_draft_length(4, 0.9, 4, StepCosts()) == 0  # plain steps measure themselves first
+    fresh = StepCosts()
+    fresh.observe(4, 0.01, verify=False)
+    assert best_draft_length(4, 0.9, 4, fresh) == 1  # the next width is tried once, which measures it
+
+
+def test_auto_mode_drafts_thin_steps_and_keeps_rows_identical(tiny, monkeypatch):
+    model, tok = tiny
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, ignore_eos=True, seed=4)
+    with RolloutWorker(model, WorkerConfig(), tokenizer=tok) as worker:
+        plain = worker.generate(prompts_of([6]), params)
+    monkeypatch.setattr(speculator_module, "DraftIndex", Replay(plain, wrong_every=10 ** 9))
+    with RolloutWorker(model, WorkerConfig(speculation=Speculation(mode="auto")), tokenizer=tok) as worker:
+        drafted = worker.generate(prompts_of([6]), params)
+        speculator = worker.engine._speculator
+    assert_same_rows(plain, drafted)
+    assert speculator.counts.accepted > 0 and speculator.acceptance.q > 0.9

@@ -6,10 +6,17 @@ The verify mechanics live in upstream/verify.py; this is the engine's side of it
   adjustments are counted once per step on the device), with at least two tokens left to their budget (a draft
   never reaches past `max_new_tokens`). Each request keeps its `RowDrafts` (drafts.py), fed the tokens it accepted
   since the last step. A source that raises gives that request no drafts, never an error.
-- `mode`: "always" drafts every eligible request; "auto" only where drafting pays by the measured cost model: a
-  thin step (few decoding requests: the forward costs about the same with a few more tokens, `thin_rows`), and a
-  request whose drafts keep being accepted (its acceptance, a moving average, above `MIN_ACCEPTANCE`; a request
-  whose drafts fail rests `REST_STEPS` steps, then tries again).
+- `mode`: "always" drafts every eligible request `max_draft_tokens` ahead; "auto" picks, before each step, how
+  many tokens to draft per request (0 included) by the cost model below, and rests a request whose own drafts keep
+  failing (its acceptance, a moving average, below `MIN_ACCEPTANCE`: `REST_STEPS` steps undrafted, then a retry).
+
+The cost model ("auto") is measured on this machine as the engine runs, never assumed: `StepCosts` keeps a moving
+average of a forward's seconds by its query tokens (powers-of-two buckets, interpolated), fed by every step. Draft
+acceptance is geometric: each draft is kept with probability q given the one before it was (estimated from what
+verify steps kept). For D decoding requests and k drafts each, a step emits D (1 + q + ... + q^k) tokens in
+cost(D (1 + k)) seconds; "auto" drafts the k with the most tokens per second, which is 0 where the forward's cost
+grows with its tokens (wide steps on a compute-bound device) or where drafts are rarely kept. A bucket never
+measured yet is tried once (that step measures it).
 - `done(request_id, prompt, completion)`: a model turn that finished feeds the history source (same-prompt drafts).
 - `verified(rows)`: per verify row, drafted and accepted counts (metrics, and "auto"'s acceptance).
 """
@@ -31,7 +38,71 @@ log = logging.getLogger("rollout")
 MIN_ACCEPTANCE = 0.25  # "auto": accepted / drafted below this (moving average) and a request rests
 REST_STEPS = 8  # steps a request with failing drafts goes undrafted before it tries again
 SWEEP_EVERY = 1024  # proposals between sweeps of the drafters of requests no longer live
-THIN_ROWS = 16  # "auto": steps of at most this many decoding requests are drafted (measured: docs/speculation.md)
+PRIOR_ACCEPTANCE = 0.5  # q before any verify step kept or rejected a draft
+
+
+class StepCosts:
+    """Moving averages of a forward's query tokens and seconds in power-of-two buckets of its tokens, apart for steps
+    with and without verify rows (a verify row's attention runs another path than a decode row's). A width between
+    two measured buckets is interpolated; past the last one of its bucket, scaled as if linear (never optimistic)."""
+
+    def __init__(self) -> None:
+        self.points: dict[tuple[bool, int], tuple[float, float]] = {}  # (verify, bucket) -> (tokens, seconds)
+
+    @staticmethod
+    def bucket(tokens: int) -> int:
+        return max(tokens, 1).bit_length()  # 1 -> 1, 2-3 -> 2, 4-7 -> 3, ...
+
+    def observe(self, tokens: int, seconds: float, verify: bool) -> None:
+        key = (verify, self.bucket(tokens))
+        old = self.points.get(key)
+        self.points[key] = (tokens, seconds) if old is None else \
+            (0.8 * old[0] + 0.2 * tokens, 0.8 * old[1] + 0.2 * seconds)
+
+    def cost(self, tokens: int, verify: bool) -> float | None:
+        """Seconds a forward of `tokens` query tokens takes, or None if its bucket was never measured."""
+        b = self.bucket(tokens)
+        here = self.points.get((verify, b))
+        if here is None:
+            return None
+        at, seconds = here
+        near = self.points.get((verify, b + 1 if tokens > at else b - 1))
+        if near is None or near[0] == at:
+            return seconds * max(tokens / at, 1.0)
+        return seconds + (near[1] - seconds) * (tokens - at) / (near[0] - at)
+
+
+class Acceptance:
+    """q, the probability that a draft is kept given the one before it was: kept drafts over kept drafts plus
+    verify rows that rejected one (a geometric model's estimate), over a moving window."""
+
+    def __init__(self) -> None:
+        self.kept, self.rejected = PRIOR_ACCEPTANCE, 1.0 - PRIOR_ACCEPTANCE
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.kept = 0.99 * self.kept + accepted
+        self.rejected = 0.99 * self.rejected + (accepted < drafted)
+
+    @property
+    def q(self) -> float:
+        return self.kept / (self.kept + self.rejected)
+
+
+def best_draft_length(rows: int, q: float, max_k: int, costs: StepCosts) -> int:
+    """The drafts per request (0..max_k) with the most tokens per second for a step of `rows` decoding requests;
+    a bucket never measured is tried (returned) once it is the next candidate."""
+    plain = costs.cost(rows, verify=False)
+    if plain is None:
+        return 0  # plain steps of this width measure themselves first
+    best, best_rate, emitted = 0, rows / plain, 1.0
+    for k in range(1, max_k + 1):
+        emitted += q ** k
+        seconds = costs.cost(rows * (1 + k), verify=True)
+        if seconds is None:
+            return k  # never measured: this step measures it
+        if rows * emitted / seconds > best_rate:
+            best, best_rate = k, rows * emitted / seconds
+    return best
 
 
 @dataclass
@@ -57,16 +128,18 @@ class SpeculationCounts:
 
 
 class Speculator:
-    def __init__(self, spec: Speculation, index, eligible: Callable[[str], bool], thin_rows: int,
+    def __init__(self, spec: Speculation, index, eligible: Callable[[str], bool],
                  on_row: Callable[[str, int, int], None] = lambda request_id, drafted, accepted: None) -> None:
         self.spec = spec
         self.on_row = on_row  # each verify row's (request id, drafted, accepted): the engine counts them per call
         self.index = index  # drafts.DraftIndex
         self.eligible = eligible  # request id -> may it be drafted (its sampling params allow it)
-        self.thin_rows = thin_rows
         self.rows: dict[str, RowState] = {}
         self.counts = SpeculationCounts()
-        self.decoding = 0  # decoding requests in the step being scheduled
+        self.costs = StepCosts()
+        self.acceptance = Acceptance()
+        self.k = spec.max_draft_tokens if spec.mode == "always" else 0  # drafts per request this step
+        self._verifier: Verifier | None = None
         self._proposals = 0
 
     @classmethod
@@ -76,11 +149,18 @@ class Speculator:
         spec = config.speculation
         if spec is None or spec.mode == "off":
             return None
-        return cls(spec, DraftIndex(spec), eligible, THIN_ROWS, on_row)
+        return cls(spec, DraftIndex(spec), eligible, on_row)
 
     def verifier(self) -> Verifier:
         """The hooks a new manager's scheduler, runner and processor call (upstream/verify.py)."""
-        return Verifier(propose=self.propose, on_verified=self.verified, begin=self.begin)
+        self._verifier = Verifier(propose=self.propose, on_verified=self.verified, begin=self.begin)
+        return self._verifier
+
+    def timed(self, seconds: float) -> None:
+        """A step's forward took this long (engine thread, after the step): the cost model learns it."""
+        verifier = self._verifier
+        if verifier is not None and verifier.step_tokens:
+            self.costs.observe(verifier.step_tokens, seconds, verify=verifier.verified_step)
 
     def done(self, request_id: str, prompt: list[int] | None = None, completion: list[int] | None = None) -> None:
         """A request is over: a finished model turn (prompt and completion given) feeds the history source."""
@@ -99,15 +179,16 @@ class Speculator:
                     draft_history_bytes=int(self.index.memory_bytes))
 
     def begin(self, num_decoding: int) -> None:
-        """A step is being scheduled with this many decoding requests."""
-        self.decoding = num_decoding
+        """A step is being scheduled with this many decoding requests: "auto" picks its draft length."""
+        if self.spec.mode == "auto":
+            self.k = best_draft_length(num_decoding, self.acceptance.q, self.spec.max_draft_tokens, self.costs) \
+                if num_decoding else 0
 
     def propose(self, state) -> list[int]:
-        mode = self.spec.mode
-        if mode == "off" or (mode == "auto" and self.decoding > self.thin_rows):
+        if self.k < 1:
             return []
         left = None if state.max_new_tokens is None else state.max_new_tokens - state.generated_len()
-        k = self.spec.max_draft_tokens if left is None else min(self.spec.max_draft_tokens, left - 1)
+        mode, k = self.spec.mode, self.k if left is None else min(self.k, left - 1)
         if k < 1 or not self.eligible(state.request_id):
             return []
         self._sweep()
@@ -130,6 +211,7 @@ class Speculator:
             counts.accepted += accepted
             counts.verify_rows += 1
             counts.emitted += accepted + 1
+            self.acceptance.observe(drafted, accepted)
             self.on_row(request_id, drafted, accepted)
             row = self.rows.get(request_id)
             if row is not None and drafted:

@@ -68,6 +68,8 @@ class Verifier:
     begin: Callable[[int], None] = lambda num_decoding: None  # noqa: E731  (a step is scheduled: its decode rows)
     drafted: dict[str, Drafted] = field(default_factory=dict)
     plan_: Plan | None = None
+    step_tokens: int = 0  # query tokens of the last step prepared (for the speculator's cost model)
+    verified_step: bool = False  # whether that step had verify rows
     extras: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # tokens after the first, per request
 
     # ------------------------------------------------------------------ scheduling
@@ -98,9 +100,11 @@ class Verifier:
     def plan(self, requests_in_batch, slots: list[int], device) -> Plan | None:
         """After the step's inputs are laid out (positions advanced): which logits rows to compute, or None for a
         step without drafts. `slots`: the sampling rows' slots, in order."""
+        self.step_tokens = sum(future.query_length for future in requests_in_batch)
         scheduled = {future.state.request_id for future in requests_in_batch}
         for request_id in [r for r in self.drafted if r not in scheduled]:
             del self.drafted[request_id]  # scheduled for drafts, then left out of the step (budgets)
+        self.verified_step = bool(self.drafted)
         if not self.drafted:
             self.plan_ = None
             return None
