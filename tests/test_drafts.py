@@ -132,6 +132,18 @@ def test_extend_keeps_the_index_equal_to_a_brute_force_scan(min_ngram, max_ngram
     assert hits > 100  # a 4-token alphabet repeats: the comparison covered real proposals
 
 
+def test_samples_of_one_prompt_share_its_index_but_not_each_others_tokens():
+    index = DraftIndex(CONTEXT)
+    prompt = [1, 2, 3, 4, 1, 2]
+    first = index.row(prompt)
+    first.extend([8, 9, 1, 2, 8])  # (1, 2) -> 8 in this row only
+    second = index.row(prompt)  # the prompt's index, copied from the first row's start
+    assert second.propose(2) == reference_context_draft(prompt, 2, 2, 4) == [3, 4]
+    assert first.propose(2) == reference_context_draft(prompt + [8, 9, 1, 2, 8], 2, 2, 4) == [9, 1]
+    second.extend([5, 1, 2])
+    assert second.propose(1) == [5]
+
+
 # ---- "history": completions recorded for the same prompt ----
 
 PROMPT = [11, 12, 13, 14, 15]
