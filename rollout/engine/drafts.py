@@ -20,7 +20,7 @@ and the row drafts from the others, or not at all; no exception leaves `record`,
 
 Cost (CPython 3.11, process CPU time on this project's shared 2-core machine; `test_propose_is_cheap` bounds it):
 propose(4) on a row of 300 tokens with both sources: 0.6-1.0 us on a hit, 1.3-1.5 us when no suffix matches (every
-length tried in both); extend ~0.7 us per token; record ~1 us per completion token; row() indexes a new prompt once
+length tried in both); extend and record ~1.5 us per token; row() indexes a new prompt once
 (~0.2-0.3 ms for 300 tokens) and the other samples of that prompt copy its index (~15 us).
 """
 
