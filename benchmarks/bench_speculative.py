@@ -159,17 +159,20 @@ def offline_rows(workload: Workload, worker) -> list[dict]:
 
 
 def print_offline(rows: list[dict]) -> None:
-    print("| workload | sampling | epoch | sources | k | accepted / tokens | tokens per verify | drafted per verify "
+    """One line per workload, sampling, sources and k; each figure for epoch 1 / epoch 2."""
+    print("| workload | sampling | sources | k | accepted / tokens | tokens per verify | drafted per verify "
           "| accepted / drafted |")
-    print("| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        print(f"| {r['workload']} | {r['sampling']} | {r['epoch']} | {r['sources']} | {r['k']} | "
-              f"{r['accepted_fraction']:.1%} | {r['tokens_per_verify']:.2f} | {r['drafted_per_verify']:.2f} | "
-              f"{r['accepted_per_drafted']:.1%} |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for first, second in zip(rows[::2], rows[1::2]):
+        figures = [f"{first[name]:{spec}} / {second[name]:{spec}}" for name, spec in (
+            ("accepted_fraction", ".1%"), ("tokens_per_verify", ".2f"), ("drafted_per_verify", ".2f"),
+            ("accepted_per_drafted", ".1%"))]
+        print(f"| {first['workload']} | {first['sampling']} | {first['sources']} | {first['k']} | "
+              + " | ".join(figures) + " |")
 
 
 def run_offline(args) -> dict:
-    workload, card = policy_workload(args.prompts)
+    workload, card = policy_workload(args.prompts, args.policy_steps)
     print(f"policy: {workload.path}\n  {json.dumps(card)}")
     rows = []
     with tempfile.TemporaryDirectory() as root:
@@ -184,6 +187,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--offline", action="store_true", help="draft acceptance replayed on sampled completions")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per step (n = 8 samples each)")
+    parser.add_argument("--policy-steps", type=int, default=policy.STEPS, help="the policy's training steps")
     args = parser.parse_args()
     if not args.offline:
         parser.error("only --offline exists so far (the engine's on/off timing mode comes with the engine side)")
