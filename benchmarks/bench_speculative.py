@@ -1,0 +1,201 @@
+"""Speculative rollouts (issue 30): how much of what a policy samples its draft sources would have predicted.
+
+    python benchmarks/bench_speculative.py --offline               # the acceptance table (trains the policy once)
+    python benchmarks/bench_speculative.py --offline --prompts 4   # a smoke run
+
+Workloads (functions, so each mode runs the same steps):
+- `policy_workload`: the small Llama of benchmarks/policy.py, trained here on the standard library (cached under
+  benchmarks/.cache/), prompted with snippets of held-out stdlib modules; GRPO-shaped steps: `--prompts` prompts,
+  n = 8, budgets 32/64/128 new tokens in turn (ragged), two epochs over the same prompts (other seeds), at T = 1 and
+  at T = 0.7 with top_p 0.95.
+- `random_workload`: rollout.testing's tiny random Llama (where drafts fail), the same steps at T = 1.
+
+`--offline`: the completions are sampled by a `RolloutWorker` with speculation off, then replayed through
+`rollout.engine.drafts` as the engine would see them: one `DraftIndex` per configuration, kept across both epochs;
+a group's 8 rows advance in lockstep, one verify step each at a time: the row proposes k tokens, the leading ones
+equal to what it really sampled next are accepted, and the step yields those plus one sampled token (fewer at the
+row's end); a row that finishes is recorded into the history, where the rest of its group (from the next step) and
+the next epoch see it. The first token of a row comes from its prefill and is never drafted. Reported per workload,
+epoch, sources and k: the fraction of completion tokens accepted from drafts, completion tokens per verify step
+(what speculation divides a row's decode steps by), draft tokens fed per verify step, and accepted / drafted tokens
+(the rest is what verify rows waste).
+The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from rollout import RolloutWorker, SamplingParams  # noqa: E402
+from rollout.base import Speculation  # noqa: E402
+from rollout.engine.drafts import DraftIndex  # noqa: E402
+
+import machine  # noqa: E402  benchmarks/machine.py: the config card
+import policy  # noqa: E402  benchmarks/policy.py: the trained policy
+
+N = 8
+BUDGETS = (32, 64, 128)
+TEMPERATURES = {"T=1": dict(temperature=1.0), "T=0.7/top_p=0.95": dict(temperature=0.7, top_p=0.95)}
+SOURCES = {"context": ("context",), "history": ("history",), "both": ("context", "history"),
+           "both, history first": ("history", "context")}
+DRAFT_LENGTHS = (2, 4, 8)
+
+
+@dataclass
+class Workload:
+    """What every mode runs: a model directory, its prompts, and the sampling of each step (one per temperature)."""
+
+    name: str
+    path: str
+    prompts: list[list[int]]
+    temperatures: dict[str, dict]
+    epochs: int = 2
+
+
+def policy_workload(num_prompts: int, steps: int = policy.STEPS) -> tuple[Workload, dict]:
+    """The trained stdlib policy and held-out prompts; also its training card (held-out loss, ...)."""
+    path = policy.build_policy(steps)
+    _, tokenizer, card = policy.load_policy(steps)
+    return Workload("stdlib policy", str(path), policy.held_out_prompts(tokenizer, num_prompts),
+                    TEMPERATURES), card
+
+
+def random_workload(num_prompts: int, root: str) -> Workload:
+    """rollout.testing's tiny random Llama: random prompts of 48-128 ids, T = 1 only."""
+    import random
+
+    from rollout.testing import build_tiny_model
+
+    path = build_tiny_model(os.path.join(root, "random-llama"))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(10, 512) for _ in range(rng.randrange(48, 129))] for _ in range(num_prompts)]
+    return Workload("random tiny", str(path), prompts, {"T=1": TEMPERATURES["T=1"]})
+
+
+def grpo_sampling(workload: Workload, temperature: str, epoch: int) -> list[SamplingParams]:
+    """One GRPO-shaped step: n = 8 per prompt, budgets 32/64/128 in turn, seeds that differ by epoch."""
+    return [SamplingParams(n=N, max_new_tokens=BUDGETS[i % len(BUDGETS)], seed=1000 * epoch + i,
+                           **workload.temperatures[temperature]) for i in range(len(workload.prompts))]
+
+
+def sample_epochs(worker, workload: Workload, temperature: str) -> list[list[list[list[int]]]]:
+    """[epoch][prompt][sample] -> completion ids, sampled with speculation off."""
+    epochs = []
+    for epoch in range(workload.epochs):
+        batch = worker.generate(workload.prompts, grpo_sampling(workload, temperature, epoch))
+        rows = batch.completion_token_lists()
+        epochs.append([rows[p * N: (p + 1) * N] for p in range(len(workload.prompts))])
+    return epochs
+
+
+def verify(row, completion: list[int], pos: int, k: int, totals: dict) -> int:
+    """One verify step of a row that has sampled `pos` tokens: propose k, accept the leading draft tokens equal to
+    what it sampled next; the step yields those and one sampled token (fewer at the row's end). Returns that count.
+    At pos 0 the step is the prefill's, undrafted and not counted."""
+    draft = row.propose(k) if pos else []
+    accepted = 0
+    while accepted < len(draft) and pos + accepted < len(completion) and draft[accepted] == completion[pos + accepted]:
+        accepted += 1
+    step = min(accepted + 1, len(completion) - pos)
+    row.extend(completion[pos: pos + step])
+    if pos:
+        for name, value in (("drafted", len(draft)), ("accepted", accepted), ("verifies", 1), ("decoded", step)):
+            totals[name] += value
+    return step
+
+
+def replay_group(index: DraftIndex, prompt: list[int], completions: list[list[int]], k: int, totals: dict) -> None:
+    """The group's rows in lockstep, one verify step each per round; a row that finishes is recorded into the
+    history after its round (see the docstring)."""
+    rows = [index.row(prompt) for _ in completions]
+    done = [0] * len(completions)
+    live = list(range(len(completions)))
+    while live:
+        for i in live:
+            done[i] += verify(rows[i], completions[i], done[i], k, totals)
+        for i in live:
+            if done[i] >= len(completions[i]):
+                index.record(prompt, completions[i])
+        live = [i for i in live if done[i] < len(completions[i])]
+    totals["tokens"] += sum(len(c) for c in completions)
+
+
+def replay(workload: Workload, epochs, sources: tuple[str, ...], k: int) -> list[dict]:
+    """Per epoch: drafted, accepted, verify steps and tokens over every group, through one DraftIndex."""
+    index = DraftIndex(Speculation(drafts=sources, max_draft_tokens=k))
+    results = []
+    for groups in epochs:
+        totals = dict(tokens=0, decoded=0, drafted=0, accepted=0, verifies=0)
+        for prompt, completions in zip(workload.prompts, groups):
+            replay_group(index, prompt, completions, k, totals)
+        results.append(totals)
+    return results
+
+
+def offline_rows(workload: Workload, worker) -> list[dict]:
+    rows = []
+    for temperature in workload.temperatures:
+        start = time.monotonic()
+        epochs = sample_epochs(worker, workload, temperature)
+        sampled = time.monotonic() - start
+        for label, sources in SOURCES.items():
+            for k in DRAFT_LENGTHS:
+                for epoch, totals in enumerate(replay(workload, epochs, sources, k), 1):
+                    rows.append(dict(workload=workload.name, sampling=temperature, epoch=epoch, sources=label, k=k,
+                                     accepted_fraction=totals["accepted"] / max(totals["tokens"], 1),
+                                     tokens_per_verify=totals["decoded"] / max(totals["verifies"], 1),
+                                     accepted_per_drafted=totals["accepted"] / max(totals["drafted"], 1),
+                                     drafted_per_verify=totals["drafted"] / max(totals["verifies"], 1),
+                                     tokens=totals["tokens"], sample_seconds=round(sampled, 1)))
+    return rows
+
+
+def print_offline(rows: list[dict]) -> None:
+    """One line per workload, sampling, sources and k; each figure for epoch 1 / epoch 2."""
+    print("| workload | sampling | sources | k | accepted / tokens | tokens per verify | drafted per verify "
+          "| accepted / drafted |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for first, second in zip(rows[::2], rows[1::2]):
+        figures = [f"{first[name]:{spec}} / {second[name]:{spec}}" for name, spec in (
+            ("accepted_fraction", ".1%"), ("tokens_per_verify", ".2f"), ("drafted_per_verify", ".2f"),
+            ("accepted_per_drafted", ".1%"))]
+        print(f"| {first['workload']} | {first['sampling']} | {first['sources']} | {first['k']} | "
+              + " | ".join(figures) + " |")
+
+
+def run_offline(args) -> dict:
+    workload, card = policy_workload(args.prompts, args.policy_steps)
+    print(f"policy: {workload.path}\n  {json.dumps(card)}")
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        for w in (workload, random_workload(args.prompts, root)):
+            with RolloutWorker(w.path) as worker:
+                rows += offline_rows(w, worker)
+    print_offline(rows)
+    return dict(mode="offline", policy=card, rows=rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--offline", action="store_true", help="draft acceptance replayed on sampled completions")
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per step (n = 8 samples each)")
+    parser.add_argument("--policy-steps", type=int, default=policy.STEPS, help="the policy's training steps")
+    args = parser.parse_args()
+    if not args.offline:
+        parser.error("only --offline exists so far (the engine's on/off timing mode comes with the engine side)")
+    print(f"machine: {machine.card()}")
+    print(f"workload: {args.prompts} prompts x n={N}, budgets {BUDGETS}, 2 epochs; draft lengths {DRAFT_LENGTHS}")
+    result = run_offline(args)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
