@@ -183,17 +183,105 @@ def run_offline(args) -> dict:
     return dict(mode="offline", policy=card, rows=rows)
 
 
+# ---------------------------------------------------------------------------------------------------- engine
+MODES = ("off", "auto", "always")
+
+
+def engine_rows(workload: Workload, rounds: int) -> list[dict]:
+    """Both epochs of every temperature's steps, with speculation off, "auto" and "always", each in a fresh worker
+    (the history index carries from epoch 1 to epoch 2 inside it), modes interleaved round by round."""
+    from rollout import Speculation, WorkerConfig
+
+    rows = []
+    for temperature in workload.temperatures:
+        for round_ in range(rounds):
+            runs = {}
+            for mode in MODES:
+                spec = None if mode == "off" else Speculation(mode=mode)
+                with RolloutWorker(workload.path, WorkerConfig(speculation=spec)) as worker:
+                    worker.generate([workload.prompts[0][:8]], SamplingParams(max_new_tokens=8))  # warm-up
+                    runs[mode] = [timed_epoch(worker, workload, temperature, epoch)
+                                  for epoch in range(workload.epochs)]
+            for epoch in range(workload.epochs):
+                off = runs["off"][epoch]
+                for mode in MODES[1:]:
+                    run = runs[mode][epoch]
+                    rows.append(dict(workload=workload.name, sampling=temperature, round=round_, epoch=epoch + 1,
+                                     mode=mode, speedup=off["seconds"] / run["seconds"],
+                                     tok_s_off=off["tokens"] / off["seconds"], tok_s=run["tokens"] / run["seconds"],
+                                     same_tokens=same_fraction(off["ids"], run["ids"]),
+                                     **{k: run[k] for k in ("drafted", "accepted", "per_verify", "gap")}))
+    return rows
+
+
+def timed_epoch(worker, workload: Workload, temperature: str, epoch: int) -> dict:
+    import time
+
+    before = worker.metrics()
+    start = time.perf_counter()
+    batch = worker.generate(workload.prompts, grpo_sampling(workload, temperature, epoch))
+    seconds = time.perf_counter() - start
+    after = worker.metrics()
+    verifies = after.draft_verify_row_steps - before.draft_verify_row_steps
+    accepted = batch.stats.get("accepted_tokens", 0)
+    return dict(seconds=seconds, tokens=int(batch.completion_mask.sum()), ids=batch.completion_token_lists(),
+                drafted=batch.stats.get("draft_tokens", 0), accepted=accepted,
+                per_verify=(accepted + verifies) / verifies if verifies else 1.0,
+                gap=logprob_gap(worker, batch, workload.temperatures[temperature]["temperature"]))
+
+
+def logprob_gap(worker, batch, temperature: float, rows: int = 8) -> float:
+    """Max |logprob - fp32 teacher-forced forward of log_softmax(logits / T)| over the first `rows` rows."""
+    import torch
+
+    worst = 0.0
+    for r in range(min(rows, len(batch))):
+        n = int(batch.completion_lengths[r])
+        ids = torch.tensor([list(batch.prompt_ids[r]) + batch.completion_ids[r, :n].tolist()])
+        with torch.no_grad():
+            logits = worker.model(ids).logits[0, len(batch.prompt_ids[r]) - 1: -1].float()
+        full = torch.log_softmax(logits / temperature, dim=-1).gather(1, batch.completion_ids[r, :n, None]).squeeze(1)
+        worst = max(worst, float((full - batch.logprobs[r, :n]).abs().max()))
+    return worst
+
+
+def same_fraction(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of rows whose tokens are identical."""
+    return sum(x == y for x, y in zip(a, b)) / max(len(a), 1)
+
+
+def print_engine(rows: list[dict]) -> None:
+    print("| workload | sampling | epoch | mode | tok/s off | tok/s | speedup | accepted / drafted | tokens per "
+          "verify | identical rows | logprob gap |")
+    print("| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        ratio = f"{r['accepted']} / {r['drafted']}"
+        print(f"| {r['workload']} | {r['sampling']} | {r['epoch']} | {r['mode']} | {r['tok_s_off']:.0f} | "
+              f"{r['tok_s']:.0f} | {r['speedup']:.2f}x | {ratio} | {r['per_verify']:.2f} | "
+              f"{100 * r['same_tokens']:.0f}% | {r['gap']:.1e} |")
+
+
+def run_engine(args) -> dict:
+    workload, card = policy_workload(args.prompts, args.policy_steps)
+    print(f"policy: {workload.path}\n  {json.dumps(card)}")
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        for w in (workload, random_workload(args.prompts, root)):
+            rows += engine_rows(w, args.rounds)
+    print_engine(rows)
+    return dict(mode="engine", policy=card, rows=rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--offline", action="store_true", help="draft acceptance replayed on sampled completions")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per step (n = 8 samples each)")
     parser.add_argument("--policy-steps", type=int, default=policy.STEPS, help="the policy's training steps")
+    parser.add_argument("--rounds", type=int, default=1, help="engine mode: interleaved rounds of off/auto/always")
     args = parser.parse_args()
-    if not args.offline:
-        parser.error("only --offline exists so far (the engine's on/off timing mode comes with the engine side)")
     print(f"machine: {machine.card()}")
     print(f"workload: {args.prompts} prompts x n={N}, budgets {BUDGETS}, 2 epochs; draft lengths {DRAFT_LENGTHS}")
-    result = run_offline(args)
+    result = run_offline(args) if args.offline else run_engine(args)
     print(json.dumps(result))
 
 

@@ -317,3 +317,22 @@ def test_auto_mode_drafts_thin_steps_and_keeps_rows_identical(tiny, monkeypatch)
         speculator = worker.engine._speculator
     assert_same_rows(plain, drafted)
     assert speculator.counts.accepted > 0 and speculator.acceptance.q > 0.9
+
+
+def test_the_history_source_drafts_a_repeated_greedy_call_whole_and_changes_no_token(tiny):
+    model, tok = tiny
+    params = SamplingParams(temperature=0.0, max_new_tokens=80, ignore_eos=True)
+    prompts = prompts_of([12, 30])
+    with RolloutWorker(model, WorkerConfig(), tokenizer=tok) as worker:
+        plain = worker.generate(prompts, params)
+    spec = Speculation(drafts=("context", "history"), mode="always", max_draft_tokens=6)
+    with RolloutWorker(model, WorkerConfig(speculation=spec), tokenizer=tok) as worker:
+        first = worker.generate(prompts, params)
+        again = worker.generate(prompts, params)  # the history holds the first call's completions
+        metrics = worker.metrics()
+    assert_same_rows(plain, first)
+    assert_same_rows(plain, again)
+    # the same weights, greedy: every draft of the history is kept; each row's first token comes from its prefill
+    # and each verify step emits its drafts plus one
+    assert again.stats["accepted_tokens"] == again.stats["draft_tokens"] >= 0.8 * int(again.completion_mask.sum())
+    assert metrics.draft_history_bytes > 0

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..base.config import WorkerConfig
+from ..base.errors import invalid
 from ..base.speculation import Speculation
 from .drafts import DraftIndex
 from .upstream.state import history
@@ -149,6 +150,9 @@ class Speculator:
         spec = config.speculation
         if spec is None or spec.mode == "off":
             return None
+        if "model" in spec.drafts:
+            raise invalid("speculation.drafts", spec.drafts, "'model' drafts are not run by this engine yet (a draft "
+                          "model needs its own paged cache)", "use 'context' and/or 'history'")
         return cls(spec, DraftIndex(spec), eligible, on_row)
 
     def verifier(self) -> Verifier:
