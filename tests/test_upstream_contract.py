@@ -427,6 +427,26 @@ def test_a_prefix_match_is_taken_in_infer_request_tokens_from_a_pending_request(
         "self", "state", "request_ids_to_remove_from_waiting"]
 
 
+def test_what_a_verify_step_relies_on_in_request_states_and_the_cache():
+    """upstream/verify.py: a decoding request's next input is `tokens_to_process` (set by each appended token),
+    its stop ids are `_eos_token_ids`, its max_new_tokens counts down through soft resets, and the pages a forward
+    completes are counted and hashed from `initial_tokens + generated_tokens`."""
+    state = RequestState(request_id="r0", initial_tokens=[5, 6, 7], max_new_tokens=3, eos_token_id=[2, 4])
+    assert state._eos_token_ids == {2, 4}
+    state.status = RequestStatus.DECODING
+    assert not state.update_and_check_completion(9, -0.5) and state.tokens_to_process == [9]
+    assert not state.update_and_check_completion(8, -0.25) and state.generated_tokens == [9, 8]
+    assert state.update_and_check_completion(1, -1.0) and state.status == RequestStatus.FINISHED  # the budget
+    source = inspect.getsource(FIFOScheduler._infer_request_tokens)
+    assert "if state.status == RequestStatus.DECODING:\n            request_tokens = state.tokens_to_process" in source
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+    count = inspect.getsource(PagedAttentionCache.count_new_complete_blocks)
+    assert "(tokens_in_last_block + request_len) // allocator.tokens_per_page" in count
+    assert "state.initial_tokens + state.generated_tokens" in inspect.getsource(
+        PagedAttentionCache.mark_complete_blocks)
+    assert "logits_to_keep" in inspect.getsource(ModelRunner)  # the runner passes it: a verify step widens it
+
+
 def test_a_soft_reset_folds_the_generated_tokens_into_the_prompt_and_keeps_id_and_logprobs():
     state = RequestState(request_id="r0", initial_tokens=[5, 6, 7], max_new_tokens=10, eos_token_id=[2])
     state.generated_tokens, state.logprobs = [8, 9], [-0.5, -0.25]

@@ -190,7 +190,7 @@ class DraftIndex:
         self._prompts: OrderedDict[tuple[int, ...], PromptHistory] = OrderedDict()
         self._bytes = 0
         self._last_prompt: tuple[tuple[int, ...], dict[tuple[int, ...], int]] | None = None
-        self._lock = threading.Lock()
+        self._guard = threading.Lock()
 
     @property
     def memory_bytes(self) -> int:
@@ -202,7 +202,7 @@ class DraftIndex:
         if "history" not in self.spec.drafts or not completion:
             return
         try:
-            with self._lock:
+            with self._guard:
                 history = self._history(tuple(prompt))
                 before = history.nbytes
                 history.add(tuple(completion))
@@ -217,7 +217,7 @@ class DraftIndex:
         key, sources = tuple(tokens), []
         for name in spec.drafts:
             try:
-                with self._lock:
+                with self._guard:
                     if name == "context":
                         sources.append(self._context(tokens, key))
                     elif name == "history":
@@ -229,13 +229,13 @@ class DraftIndex:
 
     def holds(self, prompt: Sequence[int]) -> bool:
         """Whether the history holds a completion of this prompt (e.g. to route a group where its drafts are)."""
-        with self._lock:
+        with self._guard:
             history = self._prompts.get(tuple(prompt))
             return history is not None and history.tokens > 0
 
     def clear(self) -> None:
         """Forget every recorded completion (rows already started keep what they hold)."""
-        with self._lock:
+        with self._guard:
             self._prompts.clear()
             self._bytes = 0
             self._last_prompt = None
