@@ -569,6 +569,15 @@ def test_rollout_serve_command_refuses_bad_flags_before_loading_anything(tiny_pa
     assert "rollout: error: page_size=2 is invalid" in capsys.readouterr().err
     assert main([str(tiny_path) + "-missing"]) == 2
     assert "not a directory" in capsys.readouterr().err
+    from rollout import Speculation
+    from rollout.cli.serve import build_parser
+
+    assert build_parser().parse_args([str(tiny_path), "--speculation", "always"]).speculation == Speculation(
+        mode="always")
+    assert build_parser().parse_args([str(tiny_path), "--speculation", "off"]).speculation is None
+    with pytest.raises(SystemExit):
+        main([str(tiny_path), "--speculation", "sometimes"])
+    assert "is not one of auto, always, off" in capsys.readouterr().err
 
 
 def _healthy(port: int) -> bool:

@@ -13,6 +13,7 @@ import os
 import sys
 
 from ..base.config import WorkerConfig
+from ..base.speculation import Speculation
 from ..server.limits import FLAGS, RequestLimits
 from .main import _sigterm_as_interrupt
 
@@ -112,11 +113,20 @@ def build_parser() -> argparse.ArgumentParser:
         kind = str(f.type)
         if kind == "bool":
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+        elif f.name == "speculation":  # the mode of the default Speculation (docs/speculation.md)
+            group.add_argument(flag, dest=f.name, type=_speculation, default=None, metavar="MODE",
+                               help="speculative decoding with context and history drafts: auto, always or off")
         else:
             convert, metavar = (int, "N") if kind.startswith("int") else (float, "X") if kind.startswith("float") \
                 else (str, "NAME")
             group.add_argument(flag, dest=f.name, type=convert, default=None, metavar=metavar)
     return parser
+
+
+def _speculation(mode: str) -> Speculation | None:
+    if mode not in ("auto", "always", "off"):
+        raise argparse.ArgumentTypeError(f"{mode!r} is not one of auto, always, off")
+    return None if mode == "off" else Speculation(mode=mode)
 
 
 if __name__ == "__main__":
