@@ -182,11 +182,15 @@ class Speculator:
                     draft_rolled_back_tokens=counts.rolled_back, draft_verify_row_steps=counts.verify_rows,
                     draft_history_bytes=int(self.index.memory_bytes))
 
-    def begin(self, num_decoding: int) -> None:
-        """A step is being scheduled with this many decoding requests: "auto" picks its draft length."""
+    def begin(self, num_decoding: int, token_budget: int) -> None:
+        """A step is being scheduled with this many decoding requests: its draft length, at most what lets every
+        decoding request fit the step's token budget with its drafts ("auto": the cost model's pick)."""
+        fits = token_budget // num_decoding - 1 if num_decoding else 0
+        longest = max(0, min(self.spec.max_draft_tokens, fits))
         if self.spec.mode == "auto":
-            self.k = best_draft_length(num_decoding, self.acceptance.q, self.spec.max_draft_tokens, self.costs) \
-                if num_decoding else 0
+            self.k = best_draft_length(num_decoding, self.acceptance.q, longest, self.costs) if longest else 0
+        else:
+            self.k = longest
 
     def propose(self, state) -> list[int]:
         if self.k < 1:

@@ -38,7 +38,8 @@ class RolloutScheduler(FIFOScheduler):
         if self.block_new_requests and not self.active_requests:
             self.block_new_requests = False
         if self.verifier is not None:
-            self.verifier.begin(sum(s.status == RequestStatus.DECODING for s in self.active_requests.values()))
+            decoding = sum(s.status == RequestStatus.DECODING for s in self.active_requests.values())
+            self.verifier.begin(decoding, token_budget)
         scheduled = super().schedule_batch(token_budget, cache_budget)
         if self.on_schedule is not None:
             self.on_schedule(self.cache)

@@ -65,7 +65,8 @@ class Verifier:
 
     propose: Propose
     on_verified: Verified = lambda rows: None  # noqa: E731
-    begin: Callable[[int], None] = lambda num_decoding: None  # noqa: E731  (a step is scheduled: its decode rows)
+    # a step is being scheduled: its decoding requests and its token budget
+    begin: Callable[[int, int], None] = lambda num_decoding, token_budget: None  # noqa: E731
     drafted: dict[str, Drafted] = field(default_factory=dict)
     plan_: Plan | None = None
     step_tokens: int = 0  # query tokens of the last step prepared (for the speculator's cost model)
