@@ -42,6 +42,7 @@ from . import cuda, sizing
 from .call import Call, Sample
 from .counters import Counters
 from .driver import EpisodeDriver
+from .grammar import Grammars
 from .ledger import Entry, split_tops
 from .recorder import RoutingHole, RoutingRecorder
 from .requests import Requests
@@ -94,6 +95,8 @@ class Engine:
         self.trace: TurnTrace | None = None  # set one to time episodes' turns (trace.py); None records nothing
         # the MoE routers whose choices are recorded (WorkerConfig.record_routing; an unknown router fails here)
         self._routers = find_routers(model) if self.config.record_routing else None
+        self.grammars: Grammars | None = None  # the worker's grammar compiler, once it submits a constrained row
+        self.captures = False  # the manager captures CUDA graphs and batches asynchronously (no constrained rows)
         self._recorder: RoutingRecorder | None = None
         self._manager = self._build_manager()
         self._supervisor = threading.Thread(target=self._supervise, daemon=True, name="rollout-supervisor")
@@ -104,6 +107,7 @@ class Engine:
         gen_config = GenerationConfig(do_sample=False, max_new_tokens=None, eos_token_id=None)
         blocks = sizing.num_blocks(self.config, self.model)
         graphs = cuda.captures(self.model, self.config) and self._routers is None  # a replayed graph runs no hooks
+        self.captures = graphs
         cb_config = ContinuousBatchingConfig(
             page_size=self.config.page_size, num_blocks=blocks,
             max_batch_tokens=self.config.max_batch_tokens, max_requests_per_batch=self.config.max_requests_per_batch,
@@ -113,6 +117,7 @@ class Engine:
         table = SlotTable(self.model.device, SLOTS_PER_BATCH_ROW * self.config.max_requests_per_batch, self._row_spec,
                           self._requests.is_pending,
                           vocab_size=self.model.get_output_embeddings().weight.shape[0])
+        table.grammar.grammars = lambda: self.grammars
         hooks = Hooks(on_output=self._on_output, on_sampled=self._record, on_prefix_hit=self._on_prefix_hit,
                       on_split=self._on_split, on_schedule=self.counters.kv_step, on_preempt=self._on_preempt,
                       on_step=self._trace_step)
