@@ -94,7 +94,7 @@ def grammar_of(structured: Structured) -> Any:
     try:
         if structured.kind == "regex":
             return xgr.Grammar.from_regex(structured.spec)
-        schema = structured.spec or '{"type": "object"}'
+        schema = json.dumps(_bounded_strings(json.loads(structured.spec))) if structured.spec else '{"type":"object"}'
         body = xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=SEPARATORS,
                                             strict_mode=structured.strict)
         if structured.kind != "tool_calls":
@@ -122,6 +122,22 @@ def _schema_text(schema: Any, field: str) -> str:
         return json.dumps(schema, separators=(",", ":"))  # key order kept: it is the order properties are written
     except (TypeError, ValueError):
         raise invalid(field, preview(schema), "is not JSON-serialisable", "use JSON types only") from None
+
+
+def _bounded_strings(schema: Any) -> Any:
+    """The schema with each length-bounded string as a pattern: xgrammar 0.2.9 turns `maxLength` into
+    `[^"\\\r\n]{0,n}`, which lets raw control characters (invalid JSON) into the string; the pattern keeps them out
+    (and escapes with them: a bounded string holds plain characters only)."""
+    if isinstance(schema, list):
+        return [_bounded_strings(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _bounded_strings(value) for key, value in schema.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    if out.get("type") == "string" and bounded and not {"pattern", "format", "enum", "const"} & set(out):
+        low, high = out.pop("minLength", 0), out.pop("maxLength", "")
+        out["pattern"] = f'^[^\\x00-\\x1f"\\\\]{{{low},{high}}}$'
+    return out
 
 
 def _literal(xgr: Any, text: str) -> Any:
