@@ -7,8 +7,9 @@
 - `Structured.tool_calls(call_schema, open, close, repeats)`: tool calls in a chat template's markup, each
   `open + JSON matching call_schema + close`; one call, or (repeats) one or more (what the server's `tool_choice`
   "required" or a named function builds).
-JSON is written compactly (no whitespace between tokens, `,` and `:` as separators): a model that may write any
-whitespace may write nothing else until its budget runs out.
+JSON is written as `json.dumps` and chat templates' `tojson` write it (`", "` and `": "` between items, no other
+whitespace): the style tool calls are rendered in, so what models saw; a model allowed any whitespace may write
+nothing else until its budget runs out.
 
 Checked at construction: the value's shape, then its grammar is built (xgrammar, tokenizer-free; an optional
 dependency, `pip install 'rollout[structured]'`), so a bad schema or pattern raises `InvalidArgument` here, before
@@ -29,7 +30,10 @@ from .errors import invalid, preview
 
 KINDS = ("json_object", "json_schema", "regex", "tool_calls")
 INSTALL = "pip install 'rollout[structured]' (xgrammar), or drop `structured`"
-SEPARATORS = (",", ":")  # compact JSON: what a constrained row writes between items and after keys
+# a bounded JSON string's character as xgrammar 0.2.9 writes it, and as this module narrows it (EBNF)
+BOUNDED_CHARACTER = r'([^\"\\\r\n])'
+PLAIN_CHARACTER = r'([^\"\\\x00-\x1f\uD800-\uDFFF])'
+SEPARATORS = (", ", ": ")  # what a constrained row writes between items and after keys (json.dumps's, tojson's)
 
 
 @dataclass(frozen=True)
@@ -94,9 +98,9 @@ def grammar_of(structured: Structured) -> Any:
     try:
         if structured.kind == "regex":
             return xgr.Grammar.from_regex(structured.spec)
-        schema = json.dumps(_bounded_strings(json.loads(structured.spec))) if structured.spec else '{"type":"object"}'
-        body = xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=SEPARATORS,
-                                            strict_mode=structured.strict)
+        body = _plain_bounded_strings(xgr, xgr.Grammar.from_json_schema(
+            structured.spec or '{"type": "object"}', any_whitespace=False, separators=SEPARATORS,
+            strict_mode=structured.strict))
         if structured.kind != "tool_calls":
             return body
         call = xgr.Grammar.concat(_literal(xgr, structured.open), body, _literal(xgr, structured.close))
@@ -124,20 +128,13 @@ def _schema_text(schema: Any, field: str) -> str:
         raise invalid(field, preview(schema), "is not JSON-serialisable", "use JSON types only") from None
 
 
-def _bounded_strings(schema: Any) -> Any:
-    """The schema with each length-bounded string as a pattern: xgrammar 0.2.9 turns `maxLength` into
-    `[^"\\\r\n]{0,n}`, which lets raw control characters (invalid JSON) into the string; the pattern keeps them out
-    (and escapes with them: a bounded string holds plain characters only)."""
-    if isinstance(schema, list):
-        return [_bounded_strings(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {key: _bounded_strings(value) for key, value in schema.items()}
-    bounded = "minLength" in out or "maxLength" in out
-    if out.get("type") == "string" and bounded and not {"pattern", "format", "enum", "const"} & set(out):
-        low, high = out.pop("minLength", 0), out.pop("maxLength", "")
-        out["pattern"] = f'^[^\\x00-\\x1f"\\\\]{{{low},{high}}}$'
-    return out
+def _plain_bounded_strings(xgr: Any, grammar: Any) -> Any:
+    """The grammar with its length-bounded strings' character class narrowed. xgrammar 0.2.9 writes `maxLength` as
+    repetitions of `[^"\\\r\n]`, which takes raw control characters (invalid JSON) and UTF-8-encoded surrogates (each
+    decodes to three U+FFFD, over the length); its own unbounded strings exclude both, and so does this class."""
+    text = str(grammar)
+    return xgr.Grammar.from_ebnf(text.replace(BOUNDED_CHARACTER, PLAIN_CHARACTER)) if BOUNDED_CHARACTER in text \
+        else grammar
 
 
 def _literal(xgr: Any, text: str) -> Any:
