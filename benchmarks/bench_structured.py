@@ -22,7 +22,7 @@ import time
 import torch
 
 from rollout import RolloutWorker, SamplingParams, Structured, WorkerConfig
-from rollout.engine import runner
+from rollout.engine.upstream import runner
 from rollout.engine.grammar import Constraint, GrammarTable, constrain
 from rollout.testing import build_tiny_model, load_tiny_model
 
@@ -74,9 +74,9 @@ def run(worker, prompts, name: str, n: int, tokens: int) -> dict:
 def mask_pass(vocab: int, rows: int = 128, repeats: int = 20) -> float:
     """ms of the device mask pass (`constrain`) on one (rows, vocab) step, CPU."""
     logits = torch.randn(rows, vocab)
-    ids = torch.arange(vocab)
     masks = torch.randint(-2**31, 2**31 - 1, (rows, (vocab + 31) // 32), dtype=torch.int32)
-    constraint = Constraint(torch.ones(rows, dtype=torch.bool), masks, ids // 32, (ids % 32).to(torch.int32))
+    constraint = Constraint(torch.ones(rows, dtype=torch.bool), torch.arange(rows), masks,
+                            (1 << torch.arange(8)).to(torch.uint8))
     constrain(logits.clone(), constraint)
     start = time.perf_counter()
     for _ in range(repeats):

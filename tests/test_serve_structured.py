@@ -70,6 +70,8 @@ def test_json_schema_responses_validate_and_carry_exact_logprobs(served):
         full, _ = reference_logprobs(model, r.model_extra["prompt_token_ids"], ids)
         got = torch.tensor([entry.logprob for entry in c.logprobs.content])
         assert float((got - full).abs().max()) < 1e-5
+    streamed = chat(client, response_format=SCHEMA_FORMAT, temperature=1.0, seed=1, max_tokens=60, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == r.choices[0].message.content
     plain = chat(client, n=8, temperature=1.0, seed=1, max_tokens=60)
     for c in plain.choices:  # unconstrained, the same model writes no such JSON
         with pytest.raises((ValueError, jsonschema.ValidationError)):
@@ -123,6 +125,21 @@ def test_a_bad_format_is_a_400_naming_its_field(served, kwargs, param):
     with pytest.raises(openai.BadRequestError) as error:
         chat(client, max_tokens=4, **kwargs)
     assert error.value.body["param"] == param, error.value.body
+
+
+def test_a_server_without_the_grammar_library_names_the_field_and_the_install(served, monkeypatch):
+    import sys
+
+    from rollout.base.structured import grammar_of
+
+    _, client, _ = served
+    grammar_of.cache_clear()
+    monkeypatch.setitem(sys.modules, "xgrammar", None)
+    for kwargs, param in ((dict(response_format={"type": "json_object"}), "response_format"),
+                          (dict(tools=[ADD], tool_choice="required"), "tool_choice")):
+        with pytest.raises(openai.BadRequestError) as error:
+            chat(client, max_tokens=4, **kwargs)
+        assert error.value.body["param"] == param and "rollout[structured]" in error.value.body["message"]
 
 
 def test_completions_refuse_response_format_by_name(served):

@@ -182,10 +182,9 @@ def test_the_sampler_masks_only_constrained_rows_and_draws_from_the_masked_distr
 
     torch.manual_seed(0)
     logits = torch.randn(3, 70)
-    masks = torch.full((3, 3), -1, dtype=torch.int32)
-    masks[1] = torch.tensor([0b1010, 0, 1 << 5], dtype=torch.int32)  # row 1 allows tokens 1, 3 and 69
-    ids = torch.arange(70)
-    constraint = Constraint(torch.tensor([False, True, False]), masks, ids // 32, (ids % 32).to(torch.int32))
+    masks = torch.tensor([[0b1010, 0, 1 << 5]], dtype=torch.int32)  # row 1 allows tokens 1, 3 and 69
+    constraint = Constraint(torch.tensor([False, True, False]), torch.tensor([1]), masks,
+                            (1 << torch.arange(8)).to(torch.uint8))
     specs = [RowSpec(SamplingParams(temperature=1.0), key=k) for k in (1, 2, 3)]
     rows = SamplingRows.of(specs)
     rows = SamplingRows(**{**rows.__dict__, "constraint": constraint})

@@ -9,10 +9,11 @@ host, and each step's token masks applied on the device before sampling.
   accepted. While a step's inputs are prepared (`fill`), each constrained row's matcher accepts the tokens its request
   gained since (the SlotTable reads them from the request's state: with sync batching the previous step's token is
   there, and a preempted request keeps its slot, matcher and tokens) and writes the row's next-token bitmask (int32
-  [ceil(V / 32)], xgrammar's layout); every other row gets all ones. The masks go to the device in one copy, and
-  `step(n)` hands the sampler the step's `Constraint`.
-- `constrain(target, constraint)`: the logits a row samples from at -inf wherever its bitmask has a 0 bit (sampler.py
-  applies it after the penalties and temperature, before min-p, top-k and top-p).
+  [ceil(V / 32)], xgrammar's layout). The masks and their rows go to the device in one copy each, and `step(n)`
+  hands the sampler the step's `Constraint`.
+- `constrain(target, constraint)`: the logits a constrained row samples from at -inf wherever its bitmask has a 0
+  bit, other rows untouched (sampler.py applies it after the penalties and temperature, before min-p, top-k and
+  top-p).
 A step with no constrained row fills nothing and runs no mask pass (`Passes.constrain`). Async batching (CUDA graphs)
 prepares a step before the previous step's token is read back, so it cannot know the next mask: the worker refuses
 constrained requests there (`WorkerConfig(cuda_graphs="off")` is the fix it names).
@@ -29,24 +30,27 @@ import torch
 
 from ..base.structured import Structured, grammar_of, xgrammar
 
-ALL_ALLOWED = -1  # an int32 word with every bit set
-
-
 @dataclass(frozen=True)
 class Constraint:
-    """A step's token masks on the device: one row per sampling row of the step (all ones: unconstrained)."""
+    """A step's token masks on the device, one per constrained row of the step."""
 
     active: torch.Tensor  # bool [N]: the row is constrained
-    masks: torch.Tensor  # int32 [N, ceil(V / 32)]: bit t % 32 of word t // 32 is set when token t is allowed
-    word: torch.Tensor  # int64 [V]: t // 32
-    bit: torch.Tensor  # int32 [V]: t % 32
+    rows: torch.Tensor  # int64 [K]: the constrained rows
+    masks: torch.Tensor  # int32 [K, ceil(V / 32)]: bit t % 32 of word t // 32 is set when token t is allowed
+    bits: torch.Tensor  # uint8 [8]: 1, 2, 4, ..., 128
 
 
 def constrain(target: torch.Tensor, constraint: Constraint) -> torch.Tensor:
-    """`target` (N, V) with every token a row's mask disallows at -inf, in place."""
-    words = constraint.masks.index_select(1, constraint.word)  # (N, V) int32: each token's word
-    disallowed = words.bitwise_right_shift_(constraint.bit).bitwise_and_(1).eq(0)
-    return target.masked_fill_(disallowed, float("-inf"))
+    """`target` (N, V) with every token a constrained row's mask disallows at -inf, in place (other rows untouched).
+    The int32 words are read as their little-endian bytes (bit t % 8 of byte t // 8), each byte against the 8 bits,
+    and the (K, V) result is scattered into an (N, V) bool mask: gathering the K float rows out of `target` and back
+    (index_select) costs ten times more on CPU."""
+    rows, (num_rows, vocab) = constraint.rows, target.shape
+    words = constraint.masks.view(torch.uint8)  # (K, 4 x W)
+    disallowed = torch.bitwise_and(words[:, :, None], constraint.bits).eq_(0).view(torch.bool)  # 0 or 1 in place
+    disallowed = disallowed.view(rows.shape[0], -1)
+    full = torch.zeros((num_rows, disallowed.shape[1]), dtype=torch.bool, device=target.device)
+    return target.masked_fill_(full.index_copy_(0, rows, disallowed)[:, :vocab], float("-inf"))
 
 
 class Grammars:
@@ -94,10 +98,9 @@ class GrammarTable:
         self._matched: dict[int, Matched] = {}
         self._host: torch.Tensor | None = None  # int32 [capacity, W]: the step's bitmasks, filled by the matchers
         self._masks: torch.Tensor | None = None  # the same on the device
-        self._active: torch.Tensor | None = None  # bool [capacity] on the device
-        self._written = 0  # rows the last fill wrote (reset to all ones by the next)
-        ids = torch.arange(vocab_size, device=device)
-        self._word, self._bit = ids // 32, (ids % 32).to(torch.int32)
+        self._rows: torch.Tensor | None = None  # int64 [capacity] on the device: the step's constrained rows
+        self._count = 0  # constrained rows of the last fill
+        self._bits = (1 << torch.arange(8)).to(torch.uint8).to(device)
 
     def attach(self, slot: int, structured: Structured, stop_ids: tuple[int, ...]) -> None:
         grammars = self.grammars()
@@ -111,44 +114,38 @@ class GrammarTable:
     def is_constrained(self, slot: int) -> bool:
         return slot in self._matched
 
-    def fill(self, count: int, constrained: list[tuple[int, int, str, list[int]]]) -> None:
-        """The masks of a step's `count` sampling rows, on the device. `constrained`: (row, slot, request id,
-        completion so far) of each constrained one; the others are left unconstrained."""
+    def fill(self, constrained: list[tuple[int, int, str, list[int]]]) -> None:
+        """The masks of a step's constrained rows, on the device: (row, slot, request id, completion so far) each."""
+        count = len(constrained)
         self._reserve(count)
-        host = self._host
-        host[:count].fill_(ALL_ALLOWED)
-        active = torch.zeros(count, dtype=torch.bool)
-        for row, slot, request_id, completion in constrained:
+        for i, (row, slot, request_id, completion) in enumerate(constrained):
             matched = self._matched[slot]
             matched.catch_up(request_id, completion)
-            matched.matcher.fill_next_token_bitmask(host, row)
-            active[row] = True
+            matched.matcher.fill_next_token_bitmask(self._host, i)
+        rows = torch.tensor([row for row, *_ in constrained], dtype=torch.int64)
         with self._on_stream():
-            self._masks[:count].copy_(host[:count], non_blocking=True)
-            self._masks[count:self._written].fill_(ALL_ALLOWED)
-            self._active.zero_()[:count].copy_(active, non_blocking=True)
-        self._written = count
+            self._masks[:count].copy_(self._host[:count], non_blocking=True)
+            self._rows[:count].copy_(rows, non_blocking=True)
+        self._count = count
 
     def step(self, rows: int) -> Constraint | None:
-        """The step's constraint for its first `rows` logits rows (sampling rows first; rows `fill` did not write are
-        unconstrained), or None before any constrained step (nothing allocated)."""
+        """The constraint of a step of `rows` logits rows (after `fill`), or None before any constrained step."""
         if self._host is None:
             return None
-        self._reserve(rows)
-        return Constraint(self._active[:rows], self._masks[:rows], self._word, self._bit)
+        count = self._count
+        constrained = self._rows[:count]
+        active = torch.zeros(rows, dtype=torch.bool, device=self.device).index_fill_(0, constrained, True)
+        return Constraint(active, constrained, self._masks[:count], self._bits)
 
     def _reserve(self, rows: int) -> None:
-        """Room for `rows` rows; the rows held so far are kept (grown by doubling)."""
+        """Room for `rows` masks (grown by doubling; a fill writes all it reads)."""
         capacity = 0 if self._host is None else self._host.shape[0]
-        if rows <= capacity:
+        if rows <= capacity and self._host is not None:
             return
         new = max(rows, 2 * capacity, 8)
-        host = torch.full((new, (self.vocab_size + 31) // 32), ALL_ALLOWED, dtype=torch.int32)
-        masks = host.to(self.device, copy=True)
-        active = torch.zeros(new, dtype=torch.bool, device=self.device)
-        if capacity:
-            host[:capacity], masks[:capacity], active[:capacity] = self._host, self._masks, self._active
-        self._host, self._masks, self._active = host, masks, active
+        self._host = torch.zeros((new, (self.vocab_size + 31) // 32), dtype=torch.int32)
+        self._masks = self._host.to(self.device, copy=True)
+        self._rows = torch.zeros(new, dtype=torch.int64, device=self.device)
 
     def _on_stream(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()

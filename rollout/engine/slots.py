@@ -106,7 +106,7 @@ class SlotTable:
         one's grammar mask from its matcher, advanced over the tokens its request holds now (grammar.py)."""
         constrained = [(row, slot, state.request_id, history(state)[1])
                        for row, (state, slot) in enumerate(zip(states, slots)) if self.grammar.is_constrained(slot)]
-        self.grammar.fill(len(slots), constrained)
+        self.grammar.fill(constrained)
 
     def passes(self, slots: list[int]) -> Passes:
         """The sampler passes a step of these rows needs (sampler.Passes)."""

@@ -70,8 +70,10 @@ class Format:
             schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
             return Structured.tool_calls(schema, markup[0], markup[1], repeats=self.parallel_tool_calls,
                                          field="tools")
-        except InvalidArgument as error:
-            raise bad_request(error.field, f"{error.field} is invalid: {error.rule}. Fix: {error.fix}.") from None
+        except InvalidArgument as error:  # "structured" itself: the grammar library is missing
+            field = error.field if error.field != "structured" else \
+                "response_format" if self.response_format is not None else "tool_choice"
+            raise bad_request(field, f"{field} is invalid: {error.rule}. Fix: {error.fix}.") from None
 
 
 def _response_format(value: Any) -> dict | None:
