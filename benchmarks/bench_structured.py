@@ -71,17 +71,25 @@ def run(worker, prompts, name: str, n: int, tokens: int) -> dict:
             "sampler_ms": 1e3 * sampler.seconds / steps, "finish": sorted(set(batch.finish_reason))}
 
 
-def mask_pass(vocab: int, rows: int = 128, repeats: int = 20) -> float:
-    """ms of the device mask pass (`constrain`) on one (rows, vocab) step, CPU."""
+def mask_pass(vocab: int, rows: int = 128, repeats: int = 5) -> tuple[float, float]:
+    """ms of the device mask pass (`constrain`) on one (rows, vocab) step, and of a log_softmax of the same logits
+    (the sampler runs one or two per step), on one CPU thread (a loaded machine makes every multi-threaded op wait
+    for its slowest thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     logits = torch.randn(rows, vocab)
     masks = torch.randint(-2**31, 2**31 - 1, (rows, (vocab + 31) // 32), dtype=torch.int32)
     constraint = Constraint(torch.ones(rows, dtype=torch.bool), torch.arange(rows), masks,
                             (1 << torch.arange(8)).to(torch.uint8))
-    constrain(logits.clone(), constraint)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        constrain(logits.clone(), constraint)
-    return 1e3 * (time.perf_counter() - start) / repeats
+    seconds = []
+    for step in (lambda: constrain(logits, constraint), lambda: torch.log_softmax(logits, -1)):
+        step()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            step()
+        seconds.append(1e3 * (time.perf_counter() - start) / repeats)
+    torch.set_num_threads(threads)
+    return seconds[0], seconds[1]
 
 
 def main() -> None:
@@ -114,7 +122,8 @@ def main() -> None:
         print(f"| {name} | {r['tok_s']:.0f} | {r['tok_s'] / best['plain']['tok_s']:.3f} | {r['fill_ms']:.2f} | "
               f"{r['sampler_ms']:.2f} | {','.join(r['finish'])} |")
     passes = {v: mask_pass(v) for v in (vocab, 151936)}
-    print("mask pass (constrain) on 128 rows: " + ", ".join(f"vocab {v}: {ms:.2f} ms" for v, ms in passes.items()))
+    print("mask pass (constrain) on 128 constrained rows, 1 thread: " + ", ".join(
+        f"vocab {v}: {mask:.2f} ms (a log_softmax: {softmax:.2f} ms)" for v, (mask, softmax) in passes.items()))
     print(json.dumps({"size": args.size, "vocab": vocab, "runs": best, "mask_pass_ms": passes}))
 
 

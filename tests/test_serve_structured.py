@@ -13,10 +13,9 @@ import openai
 import pytest
 import torch
 from conftest import reference_logprobs
+from test_serve import serving, tok  # noqa: F401 (tok: the chat tokenizer fixture)
 
-import rollout
-from rollout import RolloutWorker, WorkerConfig
-from rollout.testing import build_chat_tokenizer, load_tiny_model
+from rollout.testing import load_tiny_model
 
 pytest.importorskip("xgrammar")
 
@@ -34,21 +33,11 @@ SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schem
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return build_chat_tokenizer()
-
-
-@pytest.fixture(scope="module")
 def served(tiny_path, tok):
     """(model, client, url) of a random tiny model with the tool-speaking chat tokenizer."""
     model, _ = load_tiny_model(tiny_path)
-    worker = RolloutWorker(model, WorkerConfig(page_size=16, max_batch_tokens=128), tokenizer=tok)
-    server = rollout.serve(worker, port=0, model_name="tiny")
-    try:
-        yield model, openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=600), server.url
-    finally:
-        server.close()
-        worker.close()
+    with serving(model, tok) as (_, server, client):
+        yield model, client, server.url
 
 
 def chat(client, **kwargs):

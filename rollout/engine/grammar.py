@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..base.errors import invalid
 from ..base.structured import Structured, grammar_of, xgrammar
 
 @dataclass(frozen=True)
@@ -67,7 +68,12 @@ class Grammars:
         """The CompiledGrammar of a value (once per distinct value; called by the worker before submitting)."""
         compiled = self._compiled.get(structured)
         if compiled is None:
-            compiled = self._compiled[structured] = self._compiler.compile_grammar(grammar_of(structured))
+            try:
+                compiled = self._compiler.compile_grammar(grammar_of(structured))
+            except RuntimeError as error:  # what xgrammar raises (the grammar itself was built: a tokenizer issue)
+                raise invalid(structured.field, structured.kind, f"does not compile against this tokenizer: {error}",
+                              "check the tokenizer, or simplify the grammar") from None
+            self._compiled[structured] = compiled
         return compiled
 
     def matcher(self, structured: Structured, stop_ids: tuple[int, ...]) -> Any:

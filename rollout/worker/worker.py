@@ -31,14 +31,14 @@ from ..base.env import EnvFactory, EpisodeSpec
 from ..base.errors import invalid
 from ..base.params import SamplingParams
 from ..base.rollouts import model_name, request_limit
-from ..engine import (Call, Engine, Episode, Grammars, Sample, current_attn_implementation, install,
+from ..engine import (Call, Engine, Episode, Sample, current_attn_implementation, install,
                       resolve_attn_implementation, set_attn_implementation)
 from ..metrics.snapshot import WorkerMetrics
 from ..model import adapters
 from ..model import weights as weights_mod
 from ..model.loading import load_model, loading_attention, pad_token_id
 from .future import RolloutFuture
-from .validation import prepare_call
+from .validation import compile_structured, prepare_call
 
 # on_tokens(prompt_index, sample_index, token_ids, logprobs, token_versions, top): top is None, or per token the
 # (ids, logprobs) of its SamplingParams.top_logprobs most likely tokens
@@ -188,28 +188,11 @@ class RolloutWorker:
         for i, (ids, p) in enumerate(zip(token_lists, params)):
             stop = () if p.ignore_eos else (p.stop_token_ids if p.stop_token_ids is not None else self.default_stop_ids)
             if p.is_constrained:
-                self._compile(p, tuple(stop), i)
+                compile_structured(self.engine, self.tokenizer, self.vocab_size, p, tuple(stop), i)
             budget = None if spec is None else spec.budget(len(ids), limit, i)
             groups.append([Sample(None, i, j, ids, p, tuple(stop), episode=self._episode(spec, budget, ids, limit))
                            for j in range(p.n)])
         return groups
-
-    def _compile(self, params: SamplingParams, stop: tuple[int, ...], index: int) -> None:
-        """A constrained prompt's checks, and its grammar compiled (once per distinct value), before submitting."""
-        where, kind = f"prompt {index}", params.structured.kind
-        if self.engine.captures:
-            raise invalid("structured", kind, "needs sync batching: under CUDA graphs the engine prepares a step "
-                          "before the token of the step in flight is known, and so its grammar's mask",
-                          "use WorkerConfig(cuda_graphs=\"off\") for constrained rows", where, index)
-        if self.tokenizer is None:
-            raise invalid("structured", kind, "needs the model's tokenizer (grammars are compiled against it)",
-                          "pass tokenizer=... to RolloutWorker", where, index)
-        if not stop:
-            raise invalid("stop_token_ids", stop, "a constrained row needs a stop id to end on once its grammar is "
-                          "complete", "pass stop_token_ids, or give the model an EOS id", where, index)
-        if self.engine.grammars is None:
-            self.engine.grammars = Grammars(self.tokenizer, self.vocab_size)
-        self.engine.grammars.compile(params.structured)
 
     def _episode(self, spec: EpisodeSpec | None, budget: int | None, prompt: list[int], limit: int) -> Episode | None:
         if spec is None:
