@@ -14,12 +14,13 @@ from .base.errors import InvalidArgument
 from .base.params import SamplingParams
 from .base.rollouts import Rollouts, RolloutsFuture
 from .base.speculation import Speculation
+from .base.structured import Structured
 
 __version__ = "0.1.0"
 __all__ = ["Environment", "EpisodeSpec", "FleetResources", "InvalidArgument", "PromptsExhausted", "RolloutBatch",
            "RolloutCollector", "RolloutFleet", "RolloutWorker", "Rollouts", "RolloutsFuture", "SamplingParams",
-           "Speculation", "ToolEnvironment", "Turn", "WorkerConfig", "adapters", "fingerprint", "nonzero_std", "pad_token_id",
-           "replay_routing", "score", "serve"]
+           "Speculation", "Structured", "ToolEnvironment", "Turn", "WorkerConfig", "adapters", "fingerprint",
+           "nonzero_std", "pad_token_id", "replay_routing", "score", "serve"]
 
 # heavy imports (transformers, Ray, fastapi) only when used: `rollout --help` stays instant
 _LAZY = {"RolloutWorker": "worker", "RolloutFleet": "fleet", "FleetResources": "fleet",

@@ -288,9 +288,9 @@ def test_tool_calls_are_parsed_by_the_tokenizers_own_parser(served, tok):
     assert plain.model_extra["prompt_token_ids"] == tok.apply_chat_template(USER, add_generation_prompt=True,
                                                                             return_dict=False)
     assert plain.choices[0].message.tool_calls is None
-    with pytest.raises(openai.BadRequestError) as error:
-        chat(client, tools=[ADD], tool_choice="required")
-    assert error.value.body["param"] == "tool_choice"
+    forced = chat(client, tools=[ADD], tool_choice="required", temperature=0, max_tokens=64)  # constrained: the same
+    assert forced.choices[0].message.tool_calls[0].function.name == "add"  # call (tests/test_serve_structured.py)
+    assert forced.choices[0].model_extra["token_ids"] == c.model_extra["token_ids"]
 
 
 def test_a_call_of_valid_json_but_not_a_calls_shape_is_content_with_its_markup_and_why(tok):

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .errors import check_int, invalid
+from .structured import Structured
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs; the sampler's top-k pass and each step's output hold this many
 MAX_PENALTY = 2.0  # OpenAI's bound on frequency_penalty and presence_penalty (vLLM's too)
@@ -44,6 +45,10 @@ class SamplingParams:
     min_new_tokens: the stop ids (stop_token_ids, or the model's EOS) cannot be sampled before this many tokens.
     logit_bias: {token id: bias} (a mapping, or (id, bias) pairs; kept as sorted pairs), added to the logits; each bias
         in [-100, 100] (OpenAI's range; -100 in effect bans a token).
+    structured: a `Structured` (structured.py): the completion must be that JSON / schema / pattern / tool call;
+        each step samples only tokens its grammar allows (a stop id only once the grammar is complete). Applied
+        after logit_bias and the penalties, before temperature's min-p, top-k and top-p; `logprobs` stay the full
+        vocabulary's, `sampling_logprobs` are of the masked distribution (docs/sampling.md). None: unconstrained.
     """
 
     n: int = 1
@@ -61,6 +66,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_new_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] | None = None
+    structured: Structured | None = None
 
     def __post_init__(self) -> None:
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, tuple):
@@ -103,6 +109,18 @@ class SamplingParams:
             check_int("logit_bias", token, 0, "key each bias by a non-negative token id")
             _check_number(f"logit_bias[{token}]", bias, -MAX_BIAS, MAX_BIAS,
                           f"use a bias in [-{MAX_BIAS:g}, {MAX_BIAS:g}] (-100 in effect bans the token)")
+        self._check_structured()
+
+    def _check_structured(self) -> None:
+        if self.structured is None:
+            return
+        if not isinstance(self.structured, Structured):
+            raise invalid("structured", type(self.structured).__name__, "must be a rollout.Structured",
+                          "build it with Structured.json_schema(schema), Structured.json_object(), ...")
+        for name, clash in (("ignore_eos", self.ignore_eos), ("min_new_tokens", self.min_new_tokens)):
+            if clash:  # a complete grammar allows only the stop ids: neither can be honoured with it
+                raise invalid(name, clash, "cannot be combined with `structured` (a complete grammar allows only "
+                              "the stop ids)", f"drop {name}, or `structured`")
 
     @property
     def is_greedy(self) -> bool:
@@ -113,6 +131,12 @@ class SamplingParams:
         """Whether the row asks for penalties, a logit bias or min_new_tokens (the sampler's adjust pass)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.min_new_tokens > 0 or bool(self.logit_bias))
+
+    @property
+    def is_constrained(self) -> bool:
+        """Whether the row's tokens are constrained by a grammar (`structured`): cheap, for per-request decisions
+        (such rows are never drafted by speculative decoding: their next mask needs the token before it)."""
+        return self.structured is not None
 
 
 def _is_number(value: object) -> bool:

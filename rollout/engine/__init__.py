@@ -3,7 +3,8 @@
 Owns everything that touches transformers' continuous-batching engine; its private parts only through `upstream/`
 (the one room for them: every hook listed in `upstream.HOOKS`, installed by `upstream.install()`, which the engine
 calls; importing rollout changes nothing in transformers). May import: torch, transformers, and rollout's `base` and
-`moe`. Knows nothing about tokenizers, Ray or trainers.
+`moe`. Knows nothing about tokenizers (but the grammar compiler a worker hands it, `grammar.Grammars`), Ray or
+trainers.
 
 One request, hop by hop, from `RolloutWorker.generate` to its row:
 1. submit (`core.py`, `Engine.submit` / `Engine._submit`): the samples of one prompt become one `RequestState` whose
@@ -17,9 +18,10 @@ One request, hop by hop, from `RolloutWorker.generate` to its row:
    picks what a CUDA device turns on: flash, the decode fast path, CUDA graphs).
 4. sample (`upstream/runner.py`: the step's inputs carry each row's slot in a device table of per-request parameters,
    `slots.py`; `RolloutModelRunner._forward_process_and_sample` -> `sampler.py`, `sample_rows`): per-row
-   penalties / logit bias / min_new_tokens (`penalties.py`, rows counted on the device), temperature / min-p /
-   top-k / top-p and both logprobs from the one set of logits, on the device, written into the step's output tensor
-   and read back with the tokens; `requests.py` tracks what is in flight, `ledger.py` each request's logprobs and
+   penalties / logit bias / min_new_tokens (`penalties.py`, rows counted on the device), the grammar masks of
+   constrained rows (`grammar.py`, matchers advanced on the host as each step's inputs are prepared), temperature /
+   min-p / top-k / top-p and both logprobs from the one set of logits, on the device, written into the step's output
+   tensor and read back with the tokens; `requests.py` tracks what is in flight, `ledger.py` each request's logprobs and
    versions.
 5. deliver (`upstream/router.py` -> `Engine._on_output`): each finished request becomes a `Row`, exactly once, on the
    sample that asked for it; an episode's turn goes to its driver (`driver.py`), which runs the environment step off
@@ -36,8 +38,9 @@ One request, hop by hop, from `RolloutWorker.generate` to its row:
 
 from .core import Call, Engine, Sample
 from .episode import Episode
+from .grammar import Grammars
 from .trace import TurnTrace
 from .upstream import current_attn_implementation, install, resolve_attn_implementation, set_attn_implementation
 
-__all__ = ["Call", "Engine", "Episode", "Sample", "TurnTrace", "current_attn_implementation", "install",
+__all__ = ["Call", "Engine", "Episode", "Grammars", "Sample", "TurnTrace", "current_attn_implementation", "install",
            "resolve_attn_implementation", "set_attn_implementation"]

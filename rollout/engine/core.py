@@ -42,6 +42,7 @@ from . import cuda, sizing
 from .call import Call, Sample
 from .counters import Counters
 from .driver import EpisodeDriver
+from .grammar import Grammars
 from .ledger import Entry, split_tops
 from .recorder import RoutingHole, RoutingRecorder
 from .requests import Requests
@@ -95,6 +96,8 @@ class Engine:
         self.trace: TurnTrace | None = None  # set one to time episodes' turns (trace.py); None records nothing
         # the MoE routers whose choices are recorded (WorkerConfig.record_routing; an unknown router fails here)
         self._routers = find_routers(model) if self.config.record_routing else None
+        self.grammars: Grammars | None = None  # the worker's grammar compiler, once it submits a constrained row
+        self.captures = False  # the manager captures CUDA graphs and batches asynchronously (no constrained rows)
         self._recorder: RoutingRecorder | None = None
         self._speculator = Speculator.of(self.config, self._draftable, self._drafted)  # None: speculation off
         self._manager = self._build_manager()
@@ -107,6 +110,7 @@ class Engine:
         blocks = sizing.num_blocks(self.config, self.model)
         # a replayed graph runs no hooks; a verify step needs the previous step's acceptance (sync steps)
         graphs = cuda.captures(self.model, self.config) and self._routers is None and self._speculator is None
+        self.captures = graphs
         cb_config = ContinuousBatchingConfig(
             page_size=self.config.page_size, num_blocks=blocks,
             max_batch_tokens=self.config.max_batch_tokens, max_requests_per_batch=self.config.max_requests_per_batch,
@@ -116,6 +120,7 @@ class Engine:
         table = SlotTable(self.model.device, SLOTS_PER_BATCH_ROW * self.config.max_requests_per_batch, self._row_spec,
                           self._requests.is_pending,
                           vocab_size=self.model.get_output_embeddings().weight.shape[0])
+        table.grammar.grammars = lambda: self.grammars
         hooks = Hooks(on_output=self._on_output, on_sampled=self._record, on_prefix_hit=self._on_prefix_hit,
                       on_split=self._on_split, on_schedule=self.counters.kv_step, on_preempt=self._on_preempt,
                       on_step=self._trace_step)
@@ -238,9 +243,12 @@ class Engine:
         return spec
 
     def _draftable(self, request_id: str) -> bool:
-        """May the speculator draft for this request (speculator.py): tracked, and its sampling reads no counts of
-        its own earlier tokens (penalties, bias, min_new_tokens are counted once per step)."""
-        return self._requests.is_pending(request_id) and not self._row_spec(request_id).params.adjusts_logits
+        """May the speculator draft for this request (speculator.py): tracked, its sampling reads no counts of its
+        own earlier tokens (penalties, bias, min_new_tokens are counted once per step) and no grammar."""
+        if not self._requests.is_pending(request_id):
+            return False
+        params = self._row_spec(request_id).params
+        return not params.adjusts_logits and not params.is_constrained  # a grammar advances once per step
 
     def _drafted(self, request_id: str, drafted: int, accepted: int) -> None:
         """A verify row's counts, on its sample (engine thread; a forked child's on its own sample)."""

@@ -5,19 +5,20 @@ return two logprobs of it:
 - `logprob`: under log_softmax(logits / T) over the full vocabulary (T = 1 for greedy rows): what a trainer's plain
   forward recomputes;
 - `sampling_logprob`: under the distribution actually sampled from (the row's logit adjustments, penalties.py, then
-  temperature, then min-p, then top-k, then top-p on the renormalised top-k distribution; greedy rows are a point
-  mass, so 0.0).
+  temperature, then its grammar's mask, grammar.py, then min-p, then top-k, then top-p on the renormalised top-k
+  distribution; greedy rows are a point mass, so 0.0).
 When some row asks for `top_logprobs` (OpenAI's alternatives), every row also gets the `Passes.top` most likely tokens
 and their logprobs, read off the same full-vocabulary log_softmax (so the sampled token's entry, when listed, is
 bit-identical to its `logprob`); the host keeps each row's own k of them.
 Rows differ by data, never by control flow: every row is scaled, drawn from and argmax-ed, and `torch.where` keeps
 what its parameters ask for. Which full-vocabulary passes a step pays for is the caller's static choice (`Passes`,
 from the step's parameters on the host: a step with no truncating row skips the sort, one at temperature 1 the
-division, one without greedy rows the argmax, one where no row asks for penalties, bias, min_new_tokens or min_p
-their pass); the passes change the cost, never a row's token (every draw is an inverse CDF in vocabulary order, and
-a row that asks for no adjustment keeps its logits bit for bit). A captured step runs them all. Randomness is
-counter-based (streams.py): a row's uniform is a hash of its key and the position it samples at. No host
-synchronisation, no generator state, nothing shaped by the data: the path can be captured in a CUDA graph.
+division, one without greedy rows the argmax, one where no row asks for penalties, bias, min_new_tokens, min_p or a
+grammar (`SamplingParams.structured`) their pass); the passes change the cost, never a row's token (every draw is an
+inverse CDF in vocabulary order, and a row that asks for no adjustment keeps its logits bit for bit). A captured step
+runs them all. Randomness is counter-based (streams.py): a row's uniform is a hash of its key and the position it
+samples at. No host synchronisation, no generator state, nothing shaped by the data: the path can be captured in a
+CUDA graph (the grammar's masks are filled on the host before the step: grammar.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import NamedTuple
 import torch
 
 from ..base.params import MAX_TOP_LOGPROBS, SamplingParams
+from .grammar import Constraint, constrain
 from .penalties import ALL_PARTS, Adjust, adjust_logits, parts
 from .streams import uniforms
 
@@ -48,7 +50,7 @@ class RowSpec:
         sampled = not p.is_greedy
         return Passes(scale=sampled and p.temperature != 1, argmax=p.is_greedy,
                       truncate=sampled and (p.top_k > 0 or p.top_p < 1.0), top=p.top_logprobs,
-                      adjust=parts(p), min_p=sampled and p.min_p > 0)
+                      adjust=parts(p), min_p=sampled and p.min_p > 0, constrain=p.is_constrained)
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class SamplingRows:
     key: torch.Tensor  # int64
     min_p: torch.Tensor | None = None  # float32; 0.0 disables (0.0 on greedy rows); None: the step's pass is skipped
     adjust: Adjust | None = None  # penalties, bias and min_new_tokens (penalties.py); None: the pass is skipped
+    constraint: Constraint | None = None  # grammar masks of constrained rows (grammar.py); None: the pass is skipped
 
     @classmethod
     def of(cls, specs: list[RowSpec], device: torch.device | str = "cpu", adjust: Adjust | None = None
@@ -86,13 +89,16 @@ class Passes:
     top: int = MAX_TOP_LOGPROBS  # the most top logprobs a row asks for (0: no top-k pass)
     adjust: int = ALL_PARTS  # the parts of the adjust pass rows ask for (penalties.py: bias, stops, ...); 0: none
     min_p: bool = True  # a sampled row with min_p
+    constrain: bool = True  # a constrained row (SamplingParams.structured): its grammar's mask
 
     def __or__(self, other: "Passes") -> "Passes":
         return Passes(self.scale or other.scale, self.truncate or other.truncate, self.argmax or other.argmax,
-                      max(self.top, other.top), self.adjust | other.adjust, self.min_p or other.min_p)
+                      max(self.top, other.top), self.adjust | other.adjust, self.min_p or other.min_p,
+                      self.constrain or other.constrain)
 
 
-ALL, NONE = Passes(), Passes(scale=False, truncate=False, argmax=False, top=0, adjust=0, min_p=False)
+ALL = Passes()
+NONE = Passes(scale=False, truncate=False, argmax=False, top=0, adjust=0, min_p=False, constrain=False)
 
 
 class Drawn(NamedTuple):
@@ -161,25 +167,32 @@ def sample_rows(logits: torch.Tensor, rows: SamplingRows, positions: torch.Tenso
 
 
 def _reshaped(rows: SamplingRows, passes: Passes) -> torch.Tensor | None:
-    """Which rows the adjust and min-p passes change, or None when the step runs neither."""
-    reshaped = None
+    """Which rows the adjust, grammar and min-p passes change, or None when the step runs none of them."""
+    changed = []
     if passes.adjust and rows.adjust is not None:
-        reshaped = rows.adjust.active
+        changed.append(rows.adjust.active)
+    if passes.constrain and rows.constraint is not None:
+        changed.append(rows.constraint.active)
     if passes.min_p and rows.min_p is not None:
-        reshaped = rows.min_p > 0 if reshaped is None else reshaped | (rows.min_p > 0)
+        changed.append(rows.min_p > 0)
+    reshaped = changed[0] if changed else None
+    for more in changed[1:]:
+        reshaped = reshaped | more
     return reshaped
 
 
 def _target(logits: torch.Tensor, rows: SamplingRows, positions: torch.Tensor, passes: Passes) -> torch.Tensor:
-    """The scaled logits rows sample from, in a new tensor: adjusted (penalties.py), divided by the temperature, then
-    min-p (tokens less likely than min_p x the most likely one at -inf). Rows that ask for neither get `logits / T`
-    bit for bit."""
+    """The scaled logits rows sample from, in a new tensor: adjusted (penalties.py), divided by the temperature,
+    masked by the row's grammar (grammar.py: disallowed tokens at -inf), then min-p (tokens less likely than min_p x
+    the most likely allowed one at -inf). Rows that ask for none of these get `logits / T` bit for bit."""
     if passes.adjust and rows.adjust is not None:
         target = adjust_logits(logits, rows.adjust, positions, passes.adjust)
         if passes.scale:
             target.div_(rows.temperature[:, None])
     else:
         target = logits / rows.temperature[:, None] if passes.scale else logits.clone()
+    if passes.constrain and rows.constraint is not None:  # an unconstrained row's mask is all ones: unchanged
+        constrain(target, rows.constraint)
     if passes.min_p and rows.min_p is not None:  # p < min_p x p_max, as log-probability differences (min_p 0: -inf)
         floor = target.amax(dim=-1, keepdim=True) + torch.log(rows.min_p)[:, None]
         target.masked_fill_(target < floor, float("-inf"))

@@ -4,7 +4,9 @@ A request gets a slot the first time it is scheduled to sample a token: its `Row
 encoded in one row of an int64 [capacity, WIDTH] table (key, top_k, the row's min_new_tokens as the position it
 lasts to, its AdjustTable row, and temperature, top_p, min_p and the penalties as float64 bit patterns; temperature 0
 marks a greedy row) and copied to the device once; a request that asks for penalties, a logit bias or
-min_new_tokens also gets a row of the `AdjustTable` (penalties.py), written from its own tokens. Each step then sends
+min_new_tokens also gets a row of the `AdjustTable` (penalties.py), written from its own tokens; a constrained one
+(`SamplingParams.structured`) a matcher of its grammar in the `GrammarTable` (grammar.py), whose masks are written
+before each step that samples for it. Each step then sends
 only the slot of each row, and `rows(slots)` gathers the step's `SamplingRows` on the device: no per-step parameter
 tensors, no host round trip. Row 0 is never handed out: a greedy default for rows that sample nothing (padding,
 prefill chunks). A preempted request that adjusts its logits gives its slot back (`forget`): the token an async step
@@ -25,6 +27,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from ..base.params import SamplingParams
+from .grammar import GrammarTable
 from .penalties import Adjust, AdjustTable
 from .upstream.state import history
 from .sampler import ALL, NONE, Passes, RowSpec, SamplingRows
@@ -57,6 +60,7 @@ class SlotTable:
         self.on_grow: Callable[[], None] = lambda: None
         self.table = encode(DEFAULT).expand(capacity, WIDTH).clone().to(device)  # every row the default
         self.adjust = AdjustTable(device, vocab_size)
+        self.grammar = GrammarTable(device, vocab_size)  # constrained requests' matchers and each step's masks
         self._slot_of: dict[str, int] = {}
         self._passes = [NONE] * capacity
         self._adjust_rows = [0] * capacity
@@ -70,7 +74,7 @@ class SlotTable:
 
     @stream.setter
     def stream(self, stream) -> None:
-        self._stream = self.adjust.stream = stream
+        self._stream = self.adjust.stream = self.grammar.stream = stream
 
     @property
     def adjusting(self) -> bool:
@@ -93,6 +97,17 @@ class SlotTable:
             if slot is not None and self._passes[slot].adjust:
                 self._release(self._slot_of.pop(request_id))
 
+    def is_constrained(self, slot: int) -> bool:
+        """The slot's request samples under a grammar (SamplingParams.structured): it cannot be drafted ahead."""
+        return self.grammar.is_constrained(slot)
+
+    def constrain(self, states: list, slots: list[int]) -> None:
+        """Before a step whose rows (`states`, their `slots`) include constrained ones (`Passes.constrain`): each
+        one's grammar mask from its matcher, advanced over the tokens its request holds now (grammar.py)."""
+        constrained = [(row, slot, state.request_id, history(state)[1])
+                       for row, (state, slot) in enumerate(zip(states, slots)) if self.grammar.is_constrained(slot)]
+        self.grammar.fill(constrained)
+
     def passes(self, slots: list[int]) -> Passes:
         """The sampler passes a step of these rows needs (sampler.Passes)."""
         needed = NONE
@@ -109,7 +124,8 @@ class SlotTable:
         return SamplingRows(temperature=temperature.masked_fill(greedy, 1.0), top_k=rows[:, TOP_K],
                             top_p=floats[:, TOP_P].float(), greedy=greedy, key=rows[:, KEY],
                             min_p=floats[:, MIN_P].float() if passes.min_p else None,
-                            adjust=self._adjust(rows) if passes.adjust and self.adjusting else None)
+                            adjust=self._adjust(rows) if passes.adjust and self.adjusting else None,
+                            constraint=self.grammar.step(rows.shape[0]) if passes.constrain else None)
 
     def count(self, rows: SamplingRows, tokens: torch.Tensor) -> None:
         """After a step with the adjust pass: count each adjusting row's sampled token (device work only)."""
@@ -138,6 +154,8 @@ class SlotTable:
             min_position = len(prompt) - 1 + spec.params.min_new_tokens if spec.params.min_new_tokens else 0
             if grown:
                 self.on_grow()
+        if spec.params.is_constrained:
+            self.grammar.attach(slot, spec.params.structured, spec.stop_ids)
         with self._on_stream():
             self.table[slot].copy_(encode(spec, min_position, adjust_row))
         self._passes[slot], self._adjust_rows[slot] = spec.passes, adjust_row
@@ -146,6 +164,7 @@ class SlotTable:
 
     def _release(self, slot: int) -> None:
         self.adjust.free(self._adjust_rows[slot])
+        self.grammar.detach(slot)
         self._adjust_rows[slot] = 0
         self._free.append(slot)
 

@@ -43,6 +43,16 @@ class ChatFormat:
     def can_parse_tools(self) -> bool:
         return getattr(self.tokenizer, "response_template", None) is not None
 
+    @property
+    def call_markup(self) -> tuple[str, str] | None:
+        """(open, close) around one tool call whose content is its JSON, as the response template reads calls; None
+        when it reads them otherwise (a forced call cannot be constrained to its markup then)."""
+        fields = (getattr(self.tokenizer, "response_template", None) or {}).get("fields") or {}
+        calls = fields.get("tool_calls") or {}
+        if calls.get("content") != "json" or not calls.get("open") or not calls.get("close"):
+            return None
+        return calls["open"], calls["close"]
+
     # ------------------------------------------------------------------ messages -> ids
     def render(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool = True,
                **template: Any) -> list[int]:
@@ -91,6 +101,9 @@ class ChatFormat:
         text, stop strings already cut."""
         if not tools:
             return {"role": "assistant", "content": text}, None
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if ids and ids[-1] == eos and eos not in self.end_of_turn:  # a turn the model's EOS ended: the response
+            ids = ids[:-1]  # template reads up to its own end of turn, and would keep the EOS as content
         try:
             parsed = self.tokenizer.parse_response(ids, prefix=prompt, tools=tools)
         except ValueError as error:  # the model's call did not parse: its markup stays visible

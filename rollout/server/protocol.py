@@ -2,8 +2,9 @@
 
 `parse(kind, body, headers)` turns the JSON of `POST /v1/chat/completions` (kind "chat") or `POST /v1/completions`
 (kind "completion") into a `Request`, or raises an `ApiError` (400) naming the field. Nothing is silently dropped:
-an unknown field is refused as OpenAI's API refuses it, and a control the engine cannot honour (`best_of`,
-`response_format`, ...) is refused unless it holds its neutral value.
+an unknown field is refused as OpenAI's API refuses it, and a control the engine cannot honour (`best_of`, `suffix`,
+...) is refused unless it holds its neutral value. Chat's `response_format`, `tool_choice` and `parallel_tool_calls`
+are constrained decoding (formats.py).
 
 Sampling (`SamplingParams`' meaning): `presence_penalty`, `frequency_penalty`, `logit_bias` (OpenAI's), vLLM's
 `repetition_penalty`, `min_p` and `min_tokens` (stop ids and stop strings held back until that many tokens), a
@@ -32,6 +33,7 @@ from typing import Any
 
 from ..base.params import MAX_TOP_LOGPROBS
 from .errors import bad_request
+from .formats import Format
 from .limits import RequestLimits
 
 # Controls other servers take that this one cannot apply per request: accepted only at these values.
@@ -56,8 +58,8 @@ COMMON = {"model", "n", "temperature", "top_p", "max_tokens", "stop", "seed", "s
           *NEUTRAL, *INERT, *ADJUSTMENTS, *TEXT}
 FIELDS = {"chat": COMMON | TEMPLATE | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"},
           "completion": COMMON | {"prompt"}}
-ACTED_ON = {"completion": {"echo"}, "chat": set()}  # NEUTRAL fields a kind does honour
-TOOL_CHOICES = ("auto", "none")
+# NEUTRAL fields a kind does honour (chat's: formats.py)
+ACTED_ON = {"completion": {"echo"}, "chat": {"response_format", "parallel_tool_calls"}}
 EPISODE_HEADER = "x-episode-id"
 
 
@@ -85,7 +87,7 @@ class Request:
     stream: bool
     include_usage: bool
     tools: list[dict] | None
-    tool_choice: str
+    tool_choice: str  # "auto", "none", "required" or "function" (a named one: `format.tool_name`)
     episode_id: str | None
     return_token_ids: bool
     tokens_as_ids: bool  # return_tokens_as_token_ids
@@ -97,6 +99,7 @@ class Request:
     template: dict[str, Any] = field(default_factory=dict)  # chat: keywords for the chat template (add_generation_
     # prompt, continue_final_message, reasoning_effort, chat_template_kwargs); {} renders as it always did
     prompt_param: str = "prompt_token_ids"  # the field the prompt came from (errors about it name it)
+    format: Format = Format()  # chat: response_format, tool_choice and parallel_tool_calls (formats.py)
 
     @property
     def scores_prompt(self) -> bool:
@@ -141,6 +144,8 @@ def parse(kind: str, body: Any, headers: dict[str, str] | None = None,
     stop = _stop(body)
     limits.refuse("stop", len(stop), "max_stop", "stop strings")
     template = _template(body)
+    tools = _tools(body)
+    fmt = Format.parse(body, tools) if kind == "chat" else Format()
     if template and messages is None:
         name = next(n for n in ("chat_template_kwargs", *sorted(TEMPLATE)) if body.get(n) is not None)
         raise bad_request(name, f"{name} shapes how messages are rendered, and this request sends "
@@ -153,13 +158,13 @@ def parse(kind: str, body: Any, headers: dict[str, str] | None = None,
         max_tokens_param="max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens",
         stop=stop, stop_token_ids=_ids(body, "stop_token_ids"),
         ignore_eos=_bool(body, "ignore_eos", False), seed=_seed(body), logprobs=logprobs,
-        top_logprobs=top_logprobs, stream=stream, include_usage=_include_usage(body, stream), tools=_tools(body),
-        tool_choice=_tool_choice(body), episode_id=_episode_id(body, headers or {}),
+        top_logprobs=top_logprobs, stream=stream, include_usage=_include_usage(body, stream), tools=tools,
+        tool_choice=fmt.tool_choice, episode_id=_episode_id(body, headers or {}),
         return_token_ids=_bool(body, "return_token_ids", True),
         tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False), echo=echo, prompt_logprobs=prompt_logprobs,
         adjustments=_adjustments(body), skip_special_tokens=_bool(body, "skip_special_tokens", True),
         include_stop=_bool(body, "include_stop_str_in_output", False), template=template,
-        prompt_param=_prompt_param(kind, body))
+        prompt_param=_prompt_param(kind, body), format=fmt)
 
 
 def _prompt_param(kind: str, body: dict) -> str:
@@ -382,17 +387,6 @@ def _tools(body: dict) -> list[dict] | None:
             raise bad_request(f"tools[{i}]", "each tool must be {\"type\": \"function\", \"function\": {\"name\": "
                               "..., \"parameters\": {...}}}")
     return tools or None
-
-
-def _tool_choice(body: dict) -> str:
-    choice = body.get("tool_choice")
-    if choice is None:
-        return "auto"
-    if choice in TOOL_CHOICES:
-        return choice
-    raise bad_request("tool_choice", f"tool_choice={choice!r} is not supported: forcing a call needs constrained "
-                      "decoding, which this engine does not do. Fix: use \"auto\" (calls are parsed when the model "
-                      "makes them) or \"none\"")
 
 
 def _episode_id(body: dict, headers: dict[str, str]) -> str | None:

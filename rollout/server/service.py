@@ -136,10 +136,11 @@ class Service:
                               f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
                               f"completion). Fix: use {name} <= {room}", "context_length_exceeded")
         try:
+            structured = request.format.structured(rendered_tools(request), self.chat.call_markup)
             return SamplingParams(n=request.n, temperature=request.temperature, top_k=request.top_k,
                                   top_p=request.top_p, max_new_tokens=max_tokens, seed=request.seed,
                                   stop_token_ids=self._stop_ids(request), top_logprobs=request.top_logprobs,
-                                  **request.adjustments)
+                                  structured=structured, **request.adjustments)
         except ValueError as error:
             raise from_value_error(error, API_NAMES) from None
 
@@ -148,11 +149,26 @@ class Service:
         if request.kind == "chat" and not request.ignore_eos:
             ids += self.chat.end_of_turn
         ids += request.stop_token_ids or ()
+        ids += self._single_call_stop(request)
         for text in request.stop:  # a stop string that is one token also stops the engine at once
             encoded = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             if len(encoded) == 1 and self.tokenizer.decode(encoded) == text:
                 ids += encoded
         return tuple(dict.fromkeys(ids))
+
+    def _single_call_stop(self, request: Request) -> list[int]:
+        """parallel_tool_calls=false with calls the model may make ("auto"): the call's closing markup stops the row,
+        so at most one call is written (a forced call is constrained to one: formats.py)."""
+        if request.format.parallel_tool_calls or not request.parses_tools or request.format.forces_call:
+            return []
+        markup = self.chat.call_markup
+        close = self.tokenizer(markup[1], add_special_tokens=False)["input_ids"] if markup else []
+        if len(close) != 1:
+            raise bad_request("parallel_tool_calls", "parallel_tool_calls=false with tool_choice=\"auto\" stops a "
+                              "row at the end of its first call, and this template's call markup is not one token. "
+                              "Fix: send tool_choice=\"required\" (constrained to one call), or leave "
+                              "parallel_tool_calls out")
+        return close
 
     @staticmethod
     def _prompt_field(request: Request) -> str:

@@ -1,4 +1,5 @@
-"""Turning a generate call's inputs into validated token-id prompts, before anything is submitted."""
+"""Turning a generate call's inputs into validated token-id prompts (and constrained rows' compiled grammars), before
+anything is submitted."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 from ..base.errors import invalid, preview
 from ..base.params import SamplingParams
+from ..engine import Grammars
 
 
 def to_token_lists(prompts: Sequence[Any], tokenizer: Any, chat_template: bool) -> list[list[int]]:
@@ -106,3 +108,22 @@ def prepare_call(prompts: Sequence[Any], sampling: SamplingParams | Sequence[Sam
     for i, (ids, p) in enumerate(zip(token_lists, params)):
         check_prompt(ids, p, i, vocab_size, max_context, max_request_tokens)
     return token_lists, params
+
+
+def compile_structured(engine: Any, tokenizer: Any, vocab_size: int, params: SamplingParams, stop: tuple[int, ...],
+                       index: int) -> None:
+    """A constrained prompt's checks, and its grammar compiled for the engine (once per distinct value)."""
+    where, kind = f"prompt {index}", params.structured.kind
+    if engine.captures:
+        raise invalid("structured", kind, "needs sync batching: under CUDA graphs the engine prepares a step before "
+                      "the token of the step in flight is known, and so its grammar's mask",
+                      "use WorkerConfig(cuda_graphs=\"off\") for constrained rows", where, index)
+    if tokenizer is None:
+        raise invalid("structured", kind, "needs the model's tokenizer (grammars are compiled against it)",
+                      "pass tokenizer=... to RolloutWorker", where, index)
+    if not stop:
+        raise invalid("stop_token_ids", stop, "a constrained row needs a stop id to end on once its grammar is "
+                      "complete", "pass stop_token_ids, or give the model an EOS id", where, index)
+    if engine.grammars is None:
+        engine.grammars = Grammars(tokenizer, vocab_size)
+    engine.grammars.compile(params.structured)

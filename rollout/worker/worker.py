@@ -38,7 +38,7 @@ from ..model import adapters
 from ..model import weights as weights_mod
 from ..model.loading import load_model, loading_attention, pad_token_id
 from .future import RolloutFuture
-from .validation import prepare_call
+from .validation import compile_structured, prepare_call
 
 # on_tokens(prompt_index, sample_index, token_ids, logprobs, token_versions, top): top is None, or per token the
 # (ids, logprobs) of its SamplingParams.top_logprobs most likely tokens
@@ -187,6 +187,8 @@ class RolloutWorker:
         groups = []
         for i, (ids, p) in enumerate(zip(token_lists, params)):
             stop = () if p.ignore_eos else (p.stop_token_ids if p.stop_token_ids is not None else self.default_stop_ids)
+            if p.is_constrained:
+                compile_structured(self.engine, self.tokenizer, self.vocab_size, p, tuple(stop), i)
             budget = None if spec is None else spec.budget(len(ids), limit, i)
             groups.append([Sample(None, i, j, ids, p, tuple(stop), episode=self._episode(spec, budget, ids, limit))
                            for j in range(p.n)])

@@ -58,8 +58,12 @@ class RowSlotArgs(ContinuousBatchingLogitsProcessorList):
         int32_tensor.fill_(0)  # the table's default row
 
     def prepare_tensor_args(self, requests_in_batch, arg_storage: torch.Tensor) -> torch.Tensor:
-        slots = self.table.slots(fs.state for fs in requests_in_batch if fs.has_new_token)
+        states = [fs.state for fs in requests_in_batch if fs.has_new_token]
+        slots = self.table.slots(states)
         self.passes = ALL if self.all_passes else self.table.passes(slots)
+        if self.passes.constrain and not self.all_passes:  # grammar masks of constrained rows, from the tokens the
+            # previous step read back (sync batching only: the worker refuses constrained rows under async batching)
+            self.table.constrain(states, slots)
         if self.passes.adjust and self.table.adjusting:  # rows past these must not count a token for a live request
             arg_storage[0, len(slots):].zero_()
         if slots:  # otherwise rows past these keep older (valid) slots: their samples are never read
