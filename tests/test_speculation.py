@@ -336,3 +336,16 @@ def test_the_history_source_drafts_a_repeated_greedy_call_whole_and_changes_no_t
     # and each verify step emits its drafts plus one
     assert again.stats["accepted_tokens"] == again.stats["draft_tokens"] >= 0.8 * int(again.completion_mask.sum())
     assert metrics.draft_history_bytes > 0
+
+
+def test_constrained_rows_are_never_drafted_and_drafted_rows_beside_them_stay_identical(tiny, monkeypatch):
+    pytest.importorskip("xgrammar")
+    from rollout import Structured
+
+    model, tok = tiny
+    answer = Structured.regex(r"(yes|no) [0-9]{1,3}")
+    params = [SamplingParams(temperature=1.0, max_new_tokens=30, seed=1, structured=answer),
+              SamplingParams(n=2, temperature=1.0, max_new_tokens=30, ignore_eos=True, seed=2)]
+    plain, drafted, counts = run_both(model, tok, prompts_of([8, 8]), params, WorkerConfig(), monkeypatch)
+    assert_same_rows(plain, drafted)
+    assert counts.accepted > 0 and counts.verify_rows <= 2 * 29  # only the two unconstrained rows' steps
