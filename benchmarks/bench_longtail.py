@@ -41,7 +41,8 @@ import tempfile
 
 import torch
 
-from rollout import RolloutBatch, RolloutCollector, RolloutWorker, SamplingParams, WorkerConfig, nonzero_std
+from rollout import (RolloutBatch, RolloutCollector, RolloutWorker, SamplingParams, Speculation, WorkerConfig,
+                     nonzero_std)
 from rollout.testing import build_tiny_model
 
 from clock import RunClock  # benchmarks/clock.py: wall time less SIGSTOP pauses
@@ -205,11 +206,14 @@ def main() -> None:
                         "steps")
     parser.add_argument("--methods", default="sync,collector,partial")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--speculation", default="off", choices=["off", "auto", "always"],
+                        help="speculative decoding with context and history drafts (docs/speculation.md)")
     args = parser.parse_args()
     args.accepted = max(1, round(0.6 * args.groups))
     path = build_tiny_model(f"{tempfile.gettempdir()}/rollout-bench-25m", size="25m")
     results = {}
-    with RolloutWorker(path, WorkerConfig(seed=args.seed)) as worker:
+    speculation = None if args.speculation == "off" else Speculation(mode=args.speculation)
+    with RolloutWorker(path, WorkerConfig(seed=args.seed, speculation=speculation)) as worker:
         vocab = worker.vocab_size
         sampling, num_stops = sampling_fn(args.median, vocab)
         state = {name: t.detach().clone() for name, t in worker.model.state_dict().items()}
@@ -228,7 +232,7 @@ def main() -> None:
           f"completion {args.median} (K={num_stops} stop tokens), budget {8 * args.median}, 1 prompt in 10 runs "
           f"to it; 40% of groups zero-variance; sync {args.groups} prompts/step, collectors {args.accepted} accepted "
           f"groups/step, over_sample {args.over_sample}, max_staleness {args.max_staleness}; weight push per step: "
-          f"{args.push or 'none'}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
+          f"{args.push or 'none'}; speculation {args.speculation}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
           f"{CLOCK.paused:.0f}s paused by the machine's owner left out of the timings")
     base = results.get("sync")
     print(f"{'method':<10}{'s':>7}{'groups/s':>10}{'acc tok/s':>11}{'gen tok/s':>11}{'rows/step':>10}{'over-gen':>10}"
