@@ -349,3 +349,16 @@ def test_constrained_rows_are_never_drafted_and_drafted_rows_beside_them_stay_id
     plain, drafted, counts = run_both(model, tok, prompts_of([8, 8]), params, WorkerConfig(), monkeypatch)
     assert_same_rows(plain, drafted)
     assert counts.accepted > 0 and counts.verify_rows <= 2 * 29  # only the two unconstrained rows' steps
+
+
+def test_an_engine_death_mid_call_reruns_drafted_rows_to_the_same_tokens(tiny, monkeypatch, inject_engine_fault):
+    model, tok = tiny
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=24, ignore_eos=True, seed=8)
+    with RolloutWorker(model, WorkerConfig(), tokenizer=tok) as worker:
+        plain = worker.generate(prompts_of([10, 5]), params)
+    monkeypatch.setattr(speculator_module, "DraftIndex", Replay(plain))
+    inject_engine_fault(at_step=6)
+    with RolloutWorker(model, speculative(WorkerConfig()), tokenizer=tok) as worker:
+        drafted = worker.generate(prompts_of([10, 5]), params)
+        assert worker.engine.num_restarts == 1 and worker.engine._speculator.counts.accepted > 0
+    assert_same_rows(plain, drafted)

@@ -234,7 +234,7 @@ class Speculator:
     def _row(self, state) -> RowState:
         prompt, completion = history(state)
         row = self.rows.get(state.request_id)
-        if row is None:
+        if row is None or len(completion) < row.fed:  # new, or re-run from its prompt under the same id
             row = self.rows[state.request_id] = RowState(self.index.row(list(prompt)))
         if len(completion) > row.fed:
             row.drafts.extend(completion[row.fed:])
