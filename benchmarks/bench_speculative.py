@@ -44,8 +44,9 @@ import policy  # noqa: E402  benchmarks/policy.py: the trained policy
 N = 8
 BUDGETS = (32, 64, 128)
 TEMPERATURES = {"T=1": dict(temperature=1.0), "T=0.7/top_p=0.95": dict(temperature=0.7, top_p=0.95)}
-SOURCES = {"context": ("context",), "history": ("history",), "both": ("context", "history"),
-           "both, history first": ("history", "context")}
+SOURCES = {"context": dict(drafts=("context",)), "history": dict(drafts=("history",)),
+           "both": dict(drafts=("context", "history")), "both, history first": dict(drafts=("history", "context")),
+           "both, min_ngram 1": dict(drafts=("context", "history"), min_ngram=1)}
 DRAFT_LENGTHS = (2, 4, 8)
 
 
@@ -128,9 +129,10 @@ def replay_group(index: DraftIndex, prompt: list[int], completions: list[list[in
     totals["tokens"] += sum(len(c) for c in completions)
 
 
-def replay(workload: Workload, epochs, sources: tuple[str, ...], k: int) -> list[dict]:
-    """Per epoch: drafted, accepted, verify steps and tokens over every group, through one DraftIndex."""
-    index = DraftIndex(Speculation(drafts=sources, max_draft_tokens=k))
+def replay(workload: Workload, epochs, sources: dict, k: int) -> list[dict]:
+    """Per epoch: drafted, accepted, verify steps and tokens over every group, through one DraftIndex built with
+    `sources` (Speculation's fields)."""
+    index = DraftIndex(Speculation(max_draft_tokens=k, **sources))
     results = []
     for groups in epochs:
         totals = dict(tokens=0, decoded=0, drafted=0, accepted=0, verifies=0)
