@@ -612,6 +612,34 @@ def test_an_actor_dying_while_an_update_lands_mid_call_loses_no_row_and_versions
     assert 11 in versions  # the replacement's re-run rows (and the survivor's tail) came from the new weights
 
 
+def test_a_timeout_fires_on_time_while_an_update_waits_for_a_replacement_actor_to_start(fleet, local):
+    """Found by the chaos soak (TimeoutErrors up to 56 s late): an update that finds a dead actor waits, holding the
+    fleet's lock, for its replacement to start; a timed call waited for that lock before it looked at its deadline.
+    Now it waits for the lock until its deadline only, raises, and its actors are replaced by the next call."""
+    victim = fleet.actors[0]
+    ray.kill(victim, no_restart=True)
+    weights = perturbed(local, seed=7)
+    local.load_state_dict(weights)
+    updater = threading.Thread(target=fleet.update_weights, args=(weights,), kwargs=dict(version=12))
+    updater.start()
+    deadline = time.monotonic() + 60
+    while not fleet._starting and time.monotonic() < deadline:  # the update found it dead and waits for its successor
+        time.sleep(0.005)
+    prompts = [prompt_of(5, 400 + i) for i in range(4)]
+    params = [SamplingParams(n=2, max_new_tokens=8)] * len(prompts)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"timed out after 0.3s \(the fleet was busy.*\) with 0/8 rows done"):
+        fleet.generate(prompts, params, timeout=0.3)
+    late = time.monotonic() - start - 0.3
+    assert late < 1.0, f"the TimeoutError came {late:.2f} s late"  # POLL_S and one round of bookkeeping, at most
+    assert updater.is_alive() and fleet._starting, "the replacement started before the timeout: nothing was tested"
+    updater.join()
+    assert fleet.actors[0] is not victim and fleet.weights_fingerprint() == fingerprint(local)
+    batch = fleet.generate(prompts, params, timeout=300)
+    assert batch.policy_version.tolist() == [12] * len(batch)
+    assert_exact(local, batch, prompts, params)
+
+
 def test_groups_stream_back_as_each_finishes_and_calls_run_side_by_side(fleet, local):
     prompts = [prompt_of(4 + i, 150 + i) for i in range(6)]
     budgets = [150, 4, 150, 9, 150, 14]
