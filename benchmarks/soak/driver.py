@@ -60,6 +60,12 @@ def resources() -> dict:
                 threads=threading.active_count(), actors_alive=alive, thread_names=dict(names))
 
 
+def object_counts(top: int = 25) -> dict:
+    """The driver's Python objects by type (the most numerous): where RSS growth is Python objects, which kind."""
+    counts = Counter(type(o).__name__ for o in gc.get_objects())
+    return dict(total=sum(counts.values()), **dict(counts.most_common(top)))
+
+
 def warm_up(rig: Rig) -> None:
     """One of each call, so the pools and buffers a steady run holds exist before the baseline is taken."""
     import random
@@ -117,7 +123,7 @@ def run(seed: int, duration_s: float, workdir: Path, mean_gap_s: float = 2.0, re
     workdir.mkdir(parents=True, exist_ok=True)
     path = build_tiny_model(workdir / "llama")
     base = load_tiny_model(path)[0].state_dict()
-    history = History(seed, duration_s)
+    history = History(seed, duration_s, spill=workdir / f"rows-{seed}.jsonl")
     schedule = draw(seed, duration_s, mean_gap_s)
     cluster, node = start_cluster()
     fleet = worker = server = None
@@ -135,6 +141,7 @@ def run(seed: int, duration_s: float, workdir: Path, mean_gap_s: float = 2.0, re
         warm_up(rig)
         gc.collect()
         history.data["probes"]["baseline"] = resources()
+        history.data["meta"]["objects"] = dict(baseline=object_counts())
         injector = Injector(rig, rejoin_s)
         injector.worker_node = node
         clock = history.now()
@@ -151,6 +158,7 @@ def run(seed: int, duration_s: float, workdir: Path, mean_gap_s: float = 2.0, re
         probe = quiesce(rig)
         gc.collect()
         history.data["probes"].update(probe, final=resources(), end_t=history.now())
+        history.data["meta"]["objects"]["final"] = object_counts()
     finally:
         saved = history.save(workdir / f"history-{seed}.json")  # whatever happened: the checker judges it
         for closer in (server, worker, fleet):
