@@ -5,6 +5,7 @@ the given time, drains, records the end state, and writes the history. It judges
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import re
@@ -56,8 +57,20 @@ def resources() -> dict:
     alive = sum(1 for a in ray._private.state.actors().values()
                 if a.get("State") == "ALIVE" and "FleetActor" in a.get("ActorClassName", ""))
     names = Counter(re.sub(r"[-_]?\d+", "", t.name) for t in threading.enumerate())
-    return dict(rss_mb=round(process.memory_info().rss / 2**20, 1), fds=process.num_fds(),
+    return dict(rss_mb=round(process.memory_info().rss / 2**20, 1), **rss_parts(), fds=process.num_fds(),
                 threads=threading.active_count(), actors_alive=alive, thread_names=dict(names))
+
+
+def rss_parts() -> dict:
+    """RSS split as Linux counts it: private memory (anon), mapped files, and shared memory (Ray's object store is
+    shared memory this process maps as it reads and writes objects: bounded by the store's size, not a leak)."""
+    parts = {}
+    with contextlib.suppress(OSError):
+        for line in open("/proc/self/status"):
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile", "RssShmem"):
+                parts[f"{key[3:].lower()}_mb"] = round(int(value.split()[0]) / 1024, 1)
+    return parts
 
 
 def object_counts(top: int = 25) -> dict:
