@@ -104,6 +104,31 @@ def _mixed_tensors() -> dict[str, torch.Tensor]:
             "e": torch.randn(2, generator=gen)}
 
 
+
+def test_a_call_still_queued_at_its_deadline_times_out_then_and_never_runs():
+    """Found by the chaos soak (seed 3, 30 minutes: a TimeoutError 22 s late): a fleet call waits for one of MAX_CALLS
+    threads, which calls blocked behind an update may all hold; its deadline passed in that queue unseen."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rollout.fleet.future import CallCancel, FleetFuture, Groups
+
+    pool, release, ran = ThreadPoolExecutor(1), threading.Event(), []
+    busy = pool.submit(release.wait, 30)  # the only thread, held
+    queued = pool.submit(ran.append, "ran")
+    start = time.monotonic()
+    future = FleetFuture(queued, CallCancel(lambda refs, timeout: []), Groups(1), start + 0.2, 0.2)
+    with pytest.raises(TimeoutError, match=r"after 0.2s while queued .* never started"):
+        future.result()
+    assert 0.2 <= time.monotonic() - start < 1.0 and future.done() and future.cancelled()
+    release.set()
+    busy.result(timeout=30)
+    pool.shutdown(wait=True)
+    assert ran == []
+    with ThreadPoolExecutor(1) as other:  # a call that finishes in time returns its result
+        finished = other.submit(lambda: "rows")
+        assert FleetFuture(finished, CallCancel(lambda refs, timeout: []), Groups(1), time.monotonic() + 5,
+                           5).result() == "rows"
+
 def test_buckets_round_trip_mixed_dtypes_and_respect_the_size_limit():
     tensors = _mixed_tensors()
     buckets = layout(list(tensors.items()), bucket_mb=1000 / 2**20)  # ~1000 bytes: forces several buckets

@@ -154,10 +154,10 @@ class RolloutFleet:
         budgets = [p.max_new_tokens if spec is None else spec.budget(len(ids), limit, i)
                    for i, (ids, p) in enumerate(zip(token_lists, params))]
         cancel, groups = CallCancel(lambda refs, timeout: ray.get(refs, timeout=timeout)), Groups(len(token_lists))
-        future = self._calls.submit(self._run_call, token_lists, params, budgets, spec, timeout, cancel, groups,
-                                    time.monotonic())  # a call queued behind MAX_CALLS others counts that wait
+        began = time.monotonic()  # a call queued behind MAX_CALLS others counts that wait
+        future = self._calls.submit(self._run_call, token_lists, params, budgets, spec, timeout, cancel, groups, began)
         future.add_done_callback(lambda _: groups.close())
-        return FleetFuture(future, cancel, groups)
+        return FleetFuture(future, cancel, groups, None if timeout is None else began + timeout, timeout)
 
     def _run_call(self, token_lists, params, budgets, spec: EpisodeSpec | None, timeout: float | None,
                   cancel: CallCancel, groups: Groups, began: float) -> RolloutBatch:
