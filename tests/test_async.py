@@ -124,6 +124,44 @@ def test_top_logprobs_across_a_recompute_switch_are_exact_under_each_tokens_vers
     assert seen == {0, 1}
 
 
+
+def test_an_update_lands_when_the_engine_thread_dies_while_its_pause_is_asked_for(own, monkeypatch):
+    """Found by the chaos soak (seed 2, 30 minutes): an engine step raised while a recompute update waited for the
+    loop to pause, and upstream refused the pause ("The generation loop stopped before it could pause."): the update
+    failed. Now the engine is rebuilt and paused again; the update lands and every row comes back, exact."""
+    from rollout.engine.upstream.runner import RolloutModelRunner
+
+    worker, models = own
+    future = worker.submit(prompts_of([5, 23]), SamplingParams(n=2, max_new_tokens=60, ignore_eos=True))
+    wait_for_tokens(worker, 4)
+    status, original = worker.engine._manager.background_thread_status, RolloutModelRunner._forward_process_and_sample
+    stepping, died = threading.Event(), threading.Event()
+
+    def dies_once_a_pause_is_asked_for(self, *args):  # the step under way when the update asks for the pause
+        if not died.is_set():
+            stepping.set()
+            deadline = time.monotonic() + 30
+            while not status.is_pause_requested() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            died.set()
+            raise RuntimeError("injected engine fault")
+        return original(self, *args)
+
+    monkeypatch.setattr(RolloutModelRunner, "_forward_process_and_sample", dies_once_a_pause_is_asked_for)
+    assert stepping.wait(30)
+    assert worker.update_weights(models[1].state_dict(), in_flight="recompute") == 1
+    batch = future.result(timeout=120)
+    assert died.is_set() and worker.engine.num_restarts == 1
+    assert sorted(zip(batch.prompt_index.tolist(), batch.sample_index.tolist())) == [(i, j) for i in range(2)
+                                                                                     for j in range(2)]
+    assert (batch.completion_lengths == 60).all()
+    for r in range(len(batch)):  # re-run from scratch: a step may run on the new engine before its pause
+        v = batch.token_versions[r, : int(batch.completion_lengths[r])]
+        assert (v[1:] >= v[:-1]).all() and set(v.tolist()) <= {0, 1}
+    gaps = gaps_by_version(models, batch)
+    assert all(gap <= TOL for gap in gaps.values()) and 1 in gaps, gaps
+    assert worker.engine._requests.idle()
+
 def test_keep_switch_continues_on_old_kv_with_a_measurable_gap_and_never_reuses_it(own):
     worker, models = own
     prompts = prompts_of([30, 45])

@@ -18,7 +18,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 from soak.checker import Checker  # noqa: E402
-from soak.history import rows_of  # noqa: E402
+from soak.history import History, load, rows_of  # noqa: E402
 from soak.schedule import KINDS, draw  # noqa: E402
 from soak.traffic import params_dict  # noqa: E402
 
@@ -110,6 +110,20 @@ def test_a_bad_request_must_be_a_4xx_naming_its_field(recorded):
     refused["ends"][0].update(status=400, error=dict(refused["ends"][0]["error"], param="prompt"))
     assert checks(history) == {"refusal"}
 
+
+
+def test_a_spilling_history_holds_no_rows_in_memory_and_saves_every_row_in_its_call(recorded, tmp_path):
+    """The driver's RSS is checked at the end: its history must not hold the run's rows (seed 2, 30 minutes: RSS
+    478 -> 1001 MiB, mostly the history's own rows), so they go to disk as each call ends and come back at save."""
+    rows = recorded["calls"][0]["ends"][0]["rows"]
+    history = History(0, 1.0, spill=tmp_path / "rows.jsonl")
+    first, second = history.begin("fleet", "generate", {}, 0), history.begin("server", "stream", {}, 0)
+    history.end(second, "error", 0, error={"type": "TimeoutError"})
+    history.end(first, "ok", 0, rows=rows)
+    history.end(second, "ok", 0, rows=rows[:1])
+    assert [e["rows"] for c in history.data["calls"] for e in c["ends"]] == [[], [], []]
+    saved = load(history.save(tmp_path / "history.json"))
+    assert [[e["rows"] for e in c["ends"]] for c in saved["calls"]] == [[rows], [[], rows[:1]]]
 
 def test_the_schedule_is_the_seeds_alone_and_has_every_kind_and_a_node_kill():
     first, again, other = draw(4, 600), draw(4, 600), draw(5, 600)

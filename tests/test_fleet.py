@@ -104,6 +104,31 @@ def _mixed_tensors() -> dict[str, torch.Tensor]:
             "e": torch.randn(2, generator=gen)}
 
 
+
+def test_a_call_still_queued_at_its_deadline_times_out_then_and_never_runs():
+    """Found by the chaos soak (seed 3, 30 minutes: a TimeoutError 22 s late): a fleet call waits for one of MAX_CALLS
+    threads, which calls blocked behind an update may all hold; its deadline passed in that queue unseen."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rollout.fleet.future import CallCancel, FleetFuture, Groups
+
+    pool, release, ran = ThreadPoolExecutor(1), threading.Event(), []
+    busy = pool.submit(release.wait, 30)  # the only thread, held
+    queued = pool.submit(ran.append, "ran")
+    start = time.monotonic()
+    future = FleetFuture(queued, CallCancel(lambda refs, timeout: []), Groups(1), start + 0.2, 0.2)
+    with pytest.raises(TimeoutError, match=r"after 0.2s while queued .* never started"):
+        future.result()
+    assert 0.2 <= time.monotonic() - start < 1.0 and future.done() and future.cancelled()
+    release.set()
+    busy.result(timeout=30)
+    pool.shutdown(wait=True)
+    assert ran == []
+    with ThreadPoolExecutor(1) as other:  # a call that finishes in time returns its result
+        finished = other.submit(lambda: "rows")
+        assert FleetFuture(finished, CallCancel(lambda refs, timeout: []), Groups(1), time.monotonic() + 5,
+                           5).result() == "rows"
+
 def test_buckets_round_trip_mixed_dtypes_and_respect_the_size_limit():
     tensors = _mixed_tensors()
     buckets = layout(list(tensors.items()), bucket_mb=1000 / 2**20)  # ~1000 bytes: forces several buckets
@@ -610,6 +635,34 @@ def test_an_actor_dying_while_an_update_lands_mid_call_loses_no_row_and_versions
             at = row_versions == version
             assert torch.allclose(batch.logprobs[r, :n][at], full[at], atol=TOL)
     assert 11 in versions  # the replacement's re-run rows (and the survivor's tail) came from the new weights
+
+
+def test_a_timeout_fires_on_time_while_an_update_waits_for_a_replacement_actor_to_start(fleet, local):
+    """Found by the chaos soak (TimeoutErrors up to 56 s late): an update that finds a dead actor waits, holding the
+    fleet's lock, for its replacement to start; a timed call waited for that lock before it looked at its deadline.
+    Now it waits for the lock until its deadline only, raises, and its actors are replaced by the next call."""
+    victim = fleet.actors[0]
+    ray.kill(victim, no_restart=True)
+    weights = perturbed(local, seed=7)
+    local.load_state_dict(weights)
+    updater = threading.Thread(target=fleet.update_weights, args=(weights,), kwargs=dict(version=12))
+    updater.start()
+    deadline = time.monotonic() + 60
+    while not fleet._starting and time.monotonic() < deadline:  # the update found it dead and waits for its successor
+        time.sleep(0.005)
+    prompts = [prompt_of(5, 400 + i) for i in range(4)]
+    params = [SamplingParams(n=2, max_new_tokens=8)] * len(prompts)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"timed out after 0.3s \(the fleet was busy.*\) with 0/8 rows done"):
+        fleet.generate(prompts, params, timeout=0.3)
+    late = time.monotonic() - start - 0.3
+    assert late < 1.0, f"the TimeoutError came {late:.2f} s late"  # POLL_S and one round of bookkeeping, at most
+    assert updater.is_alive() and fleet._starting, "the replacement started before the timeout: nothing was tested"
+    updater.join()
+    assert fleet.actors[0] is not victim and fleet.weights_fingerprint() == fingerprint(local)
+    batch = fleet.generate(prompts, params, timeout=300)
+    assert batch.policy_version.tolist() == [12] * len(batch)
+    assert_exact(local, batch, prompts, params)
 
 
 def test_groups_stream_back_as_each_finishes_and_calls_run_side_by_side(fleet, local):

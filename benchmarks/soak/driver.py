@@ -5,6 +5,7 @@ the given time, drains, records the end state, and writes the history. It judges
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import re
@@ -56,8 +57,26 @@ def resources() -> dict:
     alive = sum(1 for a in ray._private.state.actors().values()
                 if a.get("State") == "ALIVE" and "FleetActor" in a.get("ActorClassName", ""))
     names = Counter(re.sub(r"[-_]?\d+", "", t.name) for t in threading.enumerate())
-    return dict(rss_mb=round(process.memory_info().rss / 2**20, 1), fds=process.num_fds(),
+    return dict(rss_mb=round(process.memory_info().rss / 2**20, 1), **rss_parts(), fds=process.num_fds(),
                 threads=threading.active_count(), actors_alive=alive, thread_names=dict(names))
+
+
+def rss_parts() -> dict:
+    """RSS split as Linux counts it: private memory (anon), mapped files, and shared memory (Ray's object store is
+    shared memory this process maps as it reads and writes objects: bounded by the store's size, not a leak)."""
+    parts = {}
+    with contextlib.suppress(OSError):
+        for line in open("/proc/self/status"):
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile", "RssShmem"):
+                parts[f"{key[3:].lower()}_mb"] = round(int(value.split()[0]) / 1024, 1)
+    return parts
+
+
+def object_counts(top: int = 25) -> dict:
+    """The driver's Python objects by type (the most numerous): where RSS growth is Python objects, which kind."""
+    counts = Counter(type(o).__name__ for o in gc.get_objects())
+    return dict(total=sum(counts.values()), **dict(counts.most_common(top)))
 
 
 def warm_up(rig: Rig) -> None:
@@ -117,7 +136,7 @@ def run(seed: int, duration_s: float, workdir: Path, mean_gap_s: float = 2.0, re
     workdir.mkdir(parents=True, exist_ok=True)
     path = build_tiny_model(workdir / "llama")
     base = load_tiny_model(path)[0].state_dict()
-    history = History(seed, duration_s)
+    history = History(seed, duration_s, spill=workdir / f"rows-{seed}.jsonl")
     schedule = draw(seed, duration_s, mean_gap_s)
     cluster, node = start_cluster()
     fleet = worker = server = None
@@ -135,6 +154,7 @@ def run(seed: int, duration_s: float, workdir: Path, mean_gap_s: float = 2.0, re
         warm_up(rig)
         gc.collect()
         history.data["probes"]["baseline"] = resources()
+        history.data["meta"]["objects"] = dict(baseline=object_counts())
         injector = Injector(rig, rejoin_s)
         injector.worker_node = node
         clock = history.now()
@@ -151,6 +171,7 @@ def run(seed: int, duration_s: float, workdir: Path, mean_gap_s: float = 2.0, re
         probe = quiesce(rig)
         gc.collect()
         history.data["probes"].update(probe, final=resources(), end_t=history.now())
+        history.data["meta"]["objects"]["final"] = object_counts()
     finally:
         saved = history.save(workdir / f"history-{seed}.json")  # whatever happened: the checker judges it
         for closer in (server, worker, fleet):

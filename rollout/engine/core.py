@@ -59,8 +59,7 @@ LOG = logging.getLogger("rollout")
 # The first word of a random stream's key (streams.py): seeded and unseeded samples never share a stream. A stream's
 # counter is the position sampled at, so the turns of an episode (new requests, later positions) never replay it.
 SEEDED, UNSEEDED = 1, 2
-
-
+PAUSE_TRIES = 3  # engines in a row that may die while a pause is asked for before the pause fails
 SLOTS_PER_BATCH_ROW = 4  # the slot table's first capacity, per row of a step (it grows when every slot is live)
 
 
@@ -487,11 +486,8 @@ class Engine:
                 self._drain()
             elif mode == "abort":
                 aborted = self._abort_in_flight()
-            with self._cond:
-                if self._manager is not None and not self.is_alive():
-                    self._restart()
             # asleep: no loop to pause and no cached KV to forget (waking builds an empty cache)
-            with self._manager.pause() if self._manager is not None else contextlib.nullcontext():
+            with self._loop_paused():
                 paused = time.perf_counter()
                 yield
                 if self._manager is not None and mode == "recompute":
@@ -518,11 +514,32 @@ class Engine:
 
     @contextlib.contextmanager
     def paused(self):
-        """No forward runs inside (a no-op when the engine thread is not running)."""
-        if self._manager is None or not self.is_alive():
+        """No forward runs inside (a no-op while asleep)."""
+        with self._loop_paused():
             yield
-            return
-        with self._manager.pause():
+
+    @contextlib.contextmanager
+    def _loop_paused(self):
+        """The engine's loop paused for the block (nothing to pause while asleep). A dead engine is rebuilt first;
+        an engine thread that dies while the pause is asked for (a step raised: upstream then refuses the pause) is
+        rebuilt and asked again, so a weight update never fails because an engine step did (what the dead thread
+        held re-runs, as after any engine death). Raises only if PAUSE_TRIES engines in a row die that way."""
+        with contextlib.ExitStack() as stack:
+            for attempt in range(1, PAUSE_TRIES + 1):
+                with self._cond:
+                    manager = None if self._closed else self._manager
+                    if manager is not None and not self.is_alive():
+                        self._restart()
+                        manager = self._manager
+                if manager is None:
+                    break
+                try:
+                    stack.enter_context(manager.pause())
+                    break
+                except RuntimeError:  # not paused: the loop died meanwhile, or that engine was replaced or put asleep
+                    with self._cond:
+                        if attempt == PAUSE_TRIES or (self._manager is manager and self.is_alive()):
+                            raise
             yield
 
     # ------------------------------------------------------------------ hold / release (pause / resume)

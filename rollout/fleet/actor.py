@@ -194,14 +194,14 @@ class FleetActor:
         """The per-actor setup of `transport` (e.g. joining its process group)."""
         return transport.connect(self, *args)
 
-    def sync(self, version: int, *updates: dict) -> tuple[int, str]:
+    def sync(self, version: int, *updates: dict) -> tuple[int, str, dict]:
         """Bring a fresh actor to the fleet's weights: apply `updates` in order (a peer's state dict, or the
-        updates the fleet retained), then report (version, fingerprint)."""
+        updates the fleet retained), then report (version, fingerprint, info())."""
         for weights in updates:
             self.worker.update_weights(from_shared(weights), version=version)
         if self.worker.policy_version != version:
             self.worker.refresh(version)
-        return self.state()
+        return (*self.state(), self.info())
 
     def state(self, verify: bool = True) -> tuple[int, str | None]:
         """(version, fingerprint); the fingerprint is None unless `verify`."""

@@ -29,7 +29,8 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
@@ -101,6 +102,7 @@ class RolloutFleet:
         self._calls = ThreadPoolExecutor(MAX_CALLS, thread_name_prefix="rollout-fleet")  # submitted calls
         self._call_ids = itertools.count()  # what an actor cancels a call's work by
         self._actors, self._starting, self._down, self._pg = [], {}, set(), None
+        self._overdue: deque[tuple[int, Any, str]] = deque()  # (slot, actor, why): replace when a call next starts
         self._meter, self._metrics_server = FleetMeter(), None
         self._transport: WeightTransport = ObjectStore()
         self._owns_ray = not ray.is_initialized()
@@ -152,12 +154,13 @@ class RolloutFleet:
         budgets = [p.max_new_tokens if spec is None else spec.budget(len(ids), limit, i)
                    for i, (ids, p) in enumerate(zip(token_lists, params))]
         cancel, groups = CallCancel(lambda refs, timeout: ray.get(refs, timeout=timeout)), Groups(len(token_lists))
-        future = self._calls.submit(self._run_call, token_lists, params, budgets, spec, timeout, cancel, groups)
+        began = time.monotonic()  # a call queued behind MAX_CALLS others counts that wait
+        future = self._calls.submit(self._run_call, token_lists, params, budgets, spec, timeout, cancel, groups, began)
         future.add_done_callback(lambda _: groups.close())
-        return FleetFuture(future, cancel, groups)
+        return FleetFuture(future, cancel, groups, None if timeout is None else began + timeout, timeout)
 
     def _run_call(self, token_lists, params, budgets, spec: EpisodeSpec | None, timeout: float | None,
-                  cancel: CallCancel, groups: Groups) -> RolloutBatch:
+                  cancel: CallCancel, groups: Groups, began: float) -> RolloutBatch:
         costs = [len(ids) + p.n * min(b, p.max_new_tokens * (1 if spec is None else spec.max_turns))
                  for ids, p, b in zip(token_lists, params, budgets)]
         call_id = next(self._call_ids)
@@ -179,7 +182,7 @@ class RolloutFleet:
             groups.put(self._batch(rows_of(j, rows)))
 
         grouped = self._scatter(costs, submit, timeout, [p.n for p in params], "generate", ("prompts", "rows"), cancel,
-                                call_id, on_group)
+                                call_id, on_group, began)
         self._meter.dispatched(tokens_by_slot, self.num_workers)
         return self._batch([row for j in range(len(token_lists)) for row in rows_of(j, grouped[j])])
 
@@ -360,22 +363,23 @@ class RolloutFleet:
     # ------------------------------------------------------------------ work across actors
     def _scatter(self, costs: list[int], submit: Callable, timeout: float | None, units: list[int], what: str,
                  names: tuple[str, str], cancel: CallCancel | None = None, call_id: int | None = None,
-                 on_result: Callable[[int, int, Any], None] | None = None) -> dict[int, Any]:
+                 on_result: Callable[[int, int, Any], None] | None = None,
+                 began: float | None = None) -> dict[int, Any]:
         """Run every job on some actor, by load; survive deaths; job index -> result. The fleet's lock is taken for
-        each round of bookkeeping and released while waiting, so an update can land meanwhile. `submit` returns an
+        each round of bookkeeping and released while waiting, so an update can land meanwhile. `timeout` counts from
+        `began` (when the call was submitted; default now). `submit` returns an
         object ref (the chunk's results at once) or a streaming generator (one (chunk index, result) per job as it
         finishes, each passed to `on_result(slot, job, result)`; an actor that dies midway loses only the jobs it had
         not streamed; a last item (-1, metrics snapshot) updates the fleet's meter)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else (began or time.monotonic()) + timeout
         plan = Dispatcher(costs, range(self.num_workers), self.chunks_per_worker)
         inflight: dict[Any, tuple[int, Any, Any]] = {}  # object ref -> (slot, chunk, the actor it went to)
         results: dict[int, Any] = {}
         try:
-            with self._lock:
-                for slot in sorted(self._down):  # left down by an interrupted update or by failed starts
-                    self._replace(slot, "it was down after an interrupted update")
+            with self._held(deadline, plan, results, units, timeout, what, names, inflight):
+                self._revive()
             while not plan.finished:
-                with self._lock:
+                with self._held(deadline, plan, results, units, timeout, what, names, inflight):
                     for slot, chunk in plan.assign(self._ready()):
                         inflight[submit(self._actors[slot], list(chunk.jobs))] = (slot, chunk, self._actors[slot])
                     waiting = list(inflight) + list(self._starting.values())
@@ -383,27 +387,55 @@ class RolloutFleet:
                         raise RuntimeError(f"RolloutFleet.{what}: no actor is running or starting")
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
-                        self._time_out(plan, results, units, timeout, what, names)
+                        raise self._time_out(plan, results, units, timeout, what, names, inflight)
                 if cancel is not None and cancel.is_set():
                     raise CancelledError(f"RolloutFleet.{what} was cancelled")
                 done, _ = ray.wait(waiting, num_returns=1, timeout=POLL_S if remaining is None else
                                    min(POLL_S, remaining))
-                with self._lock:
+                if not done:
+                    continue
+                with self._held(deadline, plan, results, units, timeout, what, names, inflight):
                     for ref in done:
                         if ref in inflight:
                             self._collect(ref, inflight, plan, results, names[0], on_result)
                         elif ref in self._starting.values():
                             self._started(next(s for s, r in self._starting.items() if r == ref))
-        finally:
-            with self._lock:
-                for ref, (slot, _, _) in inflight.items():  # after an error: nothing of the call keeps running
-                    with contextlib.suppress(Exception):
-                        ray.cancel(ref)
-                    with contextlib.suppress(Exception):
-                        report = self._actors[slot].cancel.options(concurrency_group="control").remote(call_id)
-                        if cancel is not None:
-                            cancel.reports.append(report)  # the tokens it discarded (FleetFuture.discarded_tokens)
+        finally:  # after an error: nothing of the call keeps running (no lock: a timeout must not wait for it)
+            for ref, (_, _, actor) in inflight.items():
+                with contextlib.suppress(Exception):
+                    ray.cancel(ref)
+                with contextlib.suppress(Exception):
+                    report = actor.cancel.options(concurrency_group="control").remote(call_id)
+                    if cancel is not None:
+                        cancel.reports.append(report)  # the tokens it discarded (FleetFuture.discarded_tokens)
         return results
+
+    @contextlib.contextmanager
+    def _held(self, deadline: float | None, *timed_out: Any) -> Iterator[None]:
+        """The fleet's lock for one round of a call's bookkeeping, waited for until the call's deadline at most: an
+        update, sleep/wake or start-up holds it while it waits for actors (an actor start can take minutes), and a
+        call's timeout must not wait behind that. Past the deadline: the call's TimeoutError (`_time_out(*timed_out)`)
+        without the lock."""
+        if deadline is None:
+            acquired = self._lock.acquire()
+        else:
+            acquired = self._lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
+        if not acquired:
+            raise self._time_out(*timed_out, locked=False)
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    def _revive(self) -> None:
+        """Under the lock, as a call starts: restart the slots left down (an interrupted update, failed starts) and
+        replace the actors a call timed out on while it could not take the lock, unless replaced since."""
+        for slot in sorted(self._down):
+            self._replace(slot, "it was down after an interrupted update")
+        while self._overdue:
+            slot, actor, why = self._overdue.popleft()
+            if self._actors[slot] is actor and slot not in self._starting:
+                self._replace(slot, why)
 
     def _collect(self, ref, inflight: dict, plan: Dispatcher, results: dict, jobs_name: str,
                  on_result: Callable[[int, int, Any], None] | None) -> None:
@@ -441,15 +473,23 @@ class RolloutFleet:
         plan.complete(slot, chunk)
 
     def _time_out(self, plan: Dispatcher, results: dict, units: list[int], timeout: float, what: str,
-                  names: tuple[str, str]) -> None:
-        held = plan.outstanding()
+                  names: tuple[str, str], inflight: dict, locked: bool = True) -> TimeoutError:
+        """The call's TimeoutError naming the actors that still hold its jobs; those are replaced (hung or too slow:
+        the next call must not queue behind them): now when `locked`, else by the next call (the lock was busy)."""
+        held, actors = plan.outstanding(), {slot: actor for slot, _, actor in inflight.values()}
         parts = [f"actor {slot} (pid {self._info[slot].get('pid')} on {self._info[slot].get('host')}) still holds "
                  f"{len(jobs)} {names[0]} / {sum(units[j] for j in jobs)} {names[1]}" for slot, jobs in held.items()]
-        parts += [f"actor {slot} still starting" for slot in self._starting]
-        for slot in held:  # hung or too slow: replaced, so the next call does not queue behind it
-            self._replace(slot, f"{what} timed out after {timeout}s with its jobs unfinished")
-        raise TimeoutError(f"RolloutFleet.{what} timed out after {timeout}s with {sum(units[j] for j in results)}/"
-                           f"{sum(units)} {names[1]} done; {'; '.join(parts)}. Those actors are being replaced.")
+        parts += [f"actor {slot} still starting" for slot in list(self._starting)]
+        why = f"{what} timed out after {timeout}s with its jobs unfinished"
+        for slot in held:
+            if locked:
+                self._replace(slot, why)
+            elif slot in actors:
+                self._overdue.append((slot, actors[slot], why))
+        busy = "" if locked else " (the fleet was busy with an update, sleep/wake or actor start until then)"
+        return TimeoutError(f"RolloutFleet.{what} timed out after {timeout}s{busy} with "
+                            f"{sum(units[j] for j in results)}/{sum(units)} {names[1]} done; {'; '.join(parts)}. "
+                            "Those actors are being replaced.")
 
     def _on_ready(self, call: Callable) -> tuple[dict[int, Any], list[int]]:
         """call(actor) -> ref on every ready actor; (slot -> value, slots whose actor died). Dead ones are marked
@@ -537,8 +577,7 @@ class RolloutFleet:
     def _started(self, slot: int) -> None:
         ref = self._starting.pop(slot)
         try:
-            state = ray.get(ref)
-            info = ray.get(self._actors[slot].info.options(concurrency_group="control").remote())
+            version, fingerprint, info = ray.get(ref)  # ready: no wait for an actor here (a call's deadline is near)
         except ray.exceptions.RayError as exc:
             self._failures[slot] += 1
             if self._failures[slot] < MAX_START_FAILURES:
@@ -552,10 +591,10 @@ class RolloutFleet:
                 raise RuntimeError(f"actor {slot} failed to start {self._failures[slot]} time(s) in a row; last "
                                    f"error: {exc}") from exc
             return
-        if state[0] != self.version or state[1] != (self._fingerprint or state[1]):
-            raise RuntimeError(f"rollout bug: actor {slot} restored to {state}, fleet holds "
+        if version != self.version or fingerprint != (self._fingerprint or fingerprint):
+            raise RuntimeError(f"rollout bug: actor {slot} restored to ({version}, {fingerprint}), fleet holds "
                                f"({self.version}, {self._fingerprint})")
-        self._fingerprint, self._failures[slot], self._info[slot] = state[1], 0, info
+        self._fingerprint, self._failures[slot], self._info[slot] = fingerprint, 0, info
 
     def _await_starts(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s

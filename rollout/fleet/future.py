@@ -58,8 +58,10 @@ class FleetFuture:
     cancelled too) and `as_completed(timeout=None)`: each prompt's group as a RolloutBatch as soon as the actor
     running it has all its rows, in finishing order, with the call's own prompt_index (as RolloutFuture's)."""
 
-    def __init__(self, future: Future, cancel: CallCancel, groups: Groups) -> None:
+    def __init__(self, future: Future, cancel: CallCancel, groups: Groups, deadline: float | None = None,
+                 timeout: float | None = None) -> None:
         self._future, self._cancel, self._groups = future, cancel, groups
+        self._deadline, self._timeout = deadline, timeout  # the call's own (time.monotonic()), if it has one
 
     @property
     def discarded_tokens(self) -> int:
@@ -83,7 +85,21 @@ class FleetFuture:
         return self._cancel.is_set() or self._future.cancelled()
 
     def result(self, timeout: float | None = None) -> RolloutBatch:
-        return self._future.result(timeout)
+        """The call's batch, or what it raised. A call with its own timeout that is still queued at its deadline
+        (behind the fleet's MAX_CALLS running calls) never runs: TimeoutError then, at the deadline; a running one
+        raises its own TimeoutError (`RolloutFleet._scatter`)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        if self._deadline is not None and (end is None or self._deadline < end):
+            try:
+                return self._future.result(max(0.0, self._deadline - time.monotonic()))
+            except TimeoutError:
+                if self._future.done():  # the call's own error
+                    raise
+                if self._future.cancel():  # still queued
+                    self._groups.close()
+                    raise TimeoutError(f"RolloutFleet call timed out after {self._timeout}s while queued behind the "
+                                       "fleet's running calls (it never started)") from None
+        return self._future.result(None if end is None else max(0.0, end - time.monotonic()))
 
     def as_completed(self, timeout: float | None = None) -> Iterator[RolloutBatch]:
         """Groups as they finish; then raises what `result` raises if the call failed or was cancelled. `timeout`
