@@ -39,7 +39,8 @@ log = logging.getLogger("rollout")
 MIN_ACCEPTANCE = 0.25  # "auto": accepted / drafted below this (moving average) and a request rests
 REST_STEPS = 8  # steps a request with failing drafts goes undrafted before it tries again
 SWEEP_EVERY = 1024  # proposals between sweeps of the drafters of requests no longer live
-PRIOR_ACCEPTANCE = 0.5  # q before any verify step kept or rejected a draft
+PRIOR_ACCEPTANCE = 0.3  # q before any verify step kept or rejected a draft (worth two verify rows)
+MIN_GAIN = 1.1  # "auto" drafts only where the model predicts at least this many times plain decoding's tokens/s
 
 
 class StepCosts:
@@ -78,7 +79,7 @@ class Acceptance:
     verify rows that rejected one (a geometric model's estimate), over a moving window."""
 
     def __init__(self) -> None:
-        self.kept, self.rejected = PRIOR_ACCEPTANCE, 1.0 - PRIOR_ACCEPTANCE
+        self.kept, self.rejected = 2 * PRIOR_ACCEPTANCE, 2 * (1.0 - PRIOR_ACCEPTANCE)
 
     def observe(self, drafted: int, accepted: int) -> None:
         self.kept = 0.99 * self.kept + accepted
@@ -90,12 +91,13 @@ class Acceptance:
 
 
 def best_draft_length(rows: int, q: float, max_k: int, costs: StepCosts) -> int:
-    """The drafts per request (0..max_k) with the most tokens per second for a step of `rows` decoding requests;
-    a bucket never measured is tried (returned) once it is the next candidate."""
+    """The drafts per request (0..max_k) with the most tokens per second for a step of `rows` decoding requests, if
+    that beats plain decoding by `MIN_GAIN` (the model's own error margin); a bucket never measured is tried
+    (returned) once it is the next candidate."""
     plain = costs.cost(rows, verify=False)
     if plain is None:
         return 0  # plain steps of this width measure themselves first
-    best, best_rate, emitted = 0, rows / plain, 1.0
+    best, best_rate, emitted = 0, MIN_GAIN * rows / plain, 1.0
     for k in range(1, max_k + 1):
         emitted += q ** k
         seconds = costs.cost(rows * (1 + k), verify=True)
