@@ -173,16 +173,24 @@ def print_offline(rows: list[dict]) -> None:
               + " | ".join(figures) + " |")
 
 
-def run_offline(args) -> dict:
+def run_mode(args, mode: str, rows_of, print_rows) -> dict:
+    """The trained policy's and the random model's rows of one mode (`rows_of(workload)`), printed."""
     workload, card = policy_workload(args.prompts, args.policy_steps)
     print(f"policy: {workload.path}\n  {json.dumps(card)}")
     rows = []
     with tempfile.TemporaryDirectory() as root:
         for w in (workload, random_workload(args.prompts, root)):
-            with RolloutWorker(w.path) as worker:
-                rows += offline_rows(w, worker)
-    print_offline(rows)
-    return dict(mode="offline", policy=card, rows=rows)
+            rows += rows_of(w)
+    print_rows(rows)
+    return dict(mode=mode, policy=card, rows=rows)
+
+
+def run_offline(args) -> dict:
+    def rows_of(w: Workload) -> list[dict]:
+        with RolloutWorker(w.path) as worker:
+            return offline_rows(w, worker)
+
+    return run_mode(args, "offline", rows_of, print_offline)
 
 
 # ---------------------------------------------------------------------------------------------------- engine
@@ -264,14 +272,7 @@ def print_engine(rows: list[dict]) -> None:
 
 
 def run_engine(args) -> dict:
-    workload, card = policy_workload(args.prompts, args.policy_steps)
-    print(f"policy: {workload.path}\n  {json.dumps(card)}")
-    rows = []
-    with tempfile.TemporaryDirectory() as root:
-        for w in (workload, random_workload(args.prompts, root)):
-            rows += engine_rows(w, args.rounds)
-    print_engine(rows)
-    return dict(mode="engine", policy=card, rows=rows)
+    return run_mode(args, "engine", lambda w: engine_rows(w, args.rounds), print_engine)
 
 
 def main() -> None:
