@@ -83,9 +83,10 @@ class Verifier:
             drafts = []
         if drafts:
             self.drafted[state.request_id] = Drafted(list(drafts))
-        else:
+            state.tokens_to_process = base + list(drafts)
+        elif len(state.tokens_to_process) > 1:  # drafted for a step it was then left out of
             self.drafted.pop(state.request_id, None)
-        state.tokens_to_process = base + list(drafts)
+            state.tokens_to_process = base
         return state.tokens_to_process
 
     def trim(self, state: RequestState, budget: int) -> None:
