@@ -3,22 +3,24 @@
 The verify mechanics live in upstream/verify.py; this is the engine's side of it, on the engine thread:
 - `propose(state)`: a decoding request's draft tokens for the step being scheduled. Drafted: requests whose sampling
   does not depend on their own earlier tokens within a step (no penalties, logit bias or min_new_tokens: their
-  adjustments are counted once per step on the device), with at least two tokens left to their budget (a draft
-  never reaches past `max_new_tokens`). Each request keeps its `RowDrafts` (drafts.py), fed the tokens it accepted
-  since the last step. A source that raises gives that request no drafts, never an error.
-- `mode`: "always" drafts every eligible request `max_draft_tokens` ahead; "auto" picks, before each step, how
-  many tokens to draft per request (0 included) by the cost model below, and rests a request whose own drafts keep
-  failing (its acceptance, a moving average, below `MIN_ACCEPTANCE`: `REST_STEPS` steps undrafted, then a retry).
+  adjustments are counted once per step on the device; no grammar: its matcher advances once per step), with at
+  least two tokens left to their budget (a draft never reaches past `max_new_tokens`). Each request keeps its
+  `RowDrafts` (drafts.py), fed the tokens it accepted since the last step. A source that raises gives that request
+  no drafts, never an error.
+- `begin(num_decoding, token_budget)`: the step's draft length, never more than lets every decoding request fit the
+  step's token budget with its drafts. "always" drafts that far; "auto" picks by the cost model below, and rests a
+  request whose own drafts keep failing (its acceptance, a moving average, below `MIN_ACCEPTANCE`: `REST_STEPS`
+  steps undrafted, then a retry).
+- `done(request_id, prompt, completion)`: a model turn that finished feeds the history source (same-prompt drafts).
+- `verified(rows)`: per verify row, drafted and accepted counts (metrics, the calls' stats, "auto"'s acceptance).
 
 The cost model ("auto") is measured on this machine as the engine runs, never assumed: `StepCosts` keeps a moving
 average of a forward's seconds by its query tokens (powers-of-two buckets, interpolated), fed by every step. Draft
 acceptance is geometric: each draft is kept with probability q given the one before it was (estimated from what
 verify steps kept). For D decoding requests and k drafts each, a step emits D (1 + q + ... + q^k) tokens in
-cost(D (1 + k)) seconds; "auto" drafts the k with the most tokens per second, which is 0 where the forward's cost
-grows with its tokens (wide steps on a compute-bound device) or where drafts are rarely kept. A bucket never
-measured yet is tried once (that step measures it).
-- `done(request_id, prompt, completion)`: a model turn that finished feeds the history source (same-prompt drafts).
-- `verified(rows)`: per verify row, drafted and accepted counts (metrics, and "auto"'s acceptance).
+cost(D (1 + k)) seconds; "auto" drafts the k with the most tokens per second if that beats plain decoding by
+`MIN_GAIN`, which is 0 where the forward's cost grows with its tokens (wide steps on a compute-bound device) or where
+drafts are rarely kept. A bucket never measured yet is tried once (that step measures it).
 """
 
 from __future__ import annotations
