@@ -14,10 +14,11 @@ import torch
 from conftest import reference_logprobs
 
 import rollout
-from rollout import RolloutWorker, SamplingParams, WorkerConfig
+from rollout import RolloutWorker, SamplingParams, Speculation, WorkerConfig
 from rollout.fleet.actor import FleetActor, from_shared, model_source, to_shared
 from rollout.fleet.collective import WeightGroup, free_port, layout, pack, unpack
 from rollout.fleet.dispatch import Dispatcher
+from rollout.fleet.homes import Homes
 from rollout.model.weights import fingerprint
 from rollout.testing import load_tiny_model
 
@@ -94,6 +95,40 @@ def test_dispatch_requeues_a_dead_actors_jobs_and_gives_up_on_a_poison_prompt():
     plan.complete(0, plan.running[0][0])
     assert [c.jobs for _, c in plan.assign([0])] == [tuple(lost)]  # only the survivor takes work
     assert plan.fail(0) == lost  # the jobs of the second death are given up (2 attempts)
+
+
+def test_dispatch_sends_each_prompt_home_within_the_slack_and_a_free_actor_steals_only_when_idle():
+    costs = [10] * 8
+    homes = [0, 0, 0, 0, 0, 0, 1, None]  # six prompts at home on actor 0: more than its share of the load
+    plan = Dispatcher(costs, slots=[0, 1], homes=homes)
+    by_home = {c.home: c.jobs for c in plan.pending}
+    assert by_home[0] == (0, 1, 2, 3, 4) and set(by_home[1]) == {5, 6, 7}  # 5 x 10 <= 40 x 1.25; the sixth moves
+    assert sorted((slot, c.home) for slot, c in plan.assign([1, 0])) == [(0, 0), (1, 1)]
+    plan = Dispatcher(costs, slots=[0, 1], homes=homes)
+    assert [(slot, c.home) for slot, c in plan.assign([1])] == [(1, 1)]  # actor 0 busy elsewhere: 1 takes its own
+    plan.complete(1, plan.running[1][0])
+    assert [(slot, c.home) for slot, c in plan.assign([1])] == [(1, 0)]  # then steals rather than idle
+    assert plan.fail(1) == [] and plan.pending[0].home == 0  # a requeued chunk keeps its home
+
+
+def test_dispatch_without_known_homes_deals_as_before():
+    costs = [90, 10, 10, 10, 10, 10, 40]
+    plain = Dispatcher(costs, slots=[0, 1], chunks_per_worker=2)
+    homed = Dispatcher(costs, slots=[0, 1], chunks_per_worker=2, homes=[None, 5, None, None, None, None, None])
+    assert list(plain.pending) == list(homed.pending)
+
+
+def test_homes_remember_the_last_actor_bounded_and_forget_a_replaced_one():
+    homes = Homes(WorkerConfig(speculation=Speculation(drafts=("history",))), capacity=2)
+    homes.ran([1, 2], 0)
+    homes.ran([3], 1)
+    homes.ran([1, 2], 1)  # ran again elsewhere: that actor now holds it
+    homes.ran([4], 0)  # over capacity: the least recent ([3]) goes
+    assert homes.of([[1, 2], [3], [4], [5]]) == [1, None, 0, None]
+    homes.forget(0)
+    assert homes.of([[4]]) == [None]
+    assert Homes(WorkerConfig()).of([[1, 2]]) is None  # no history kept: no routing
+    assert Homes(WorkerConfig(speculation=Speculation(drafts=("context",)))).of([[1]]) is None
 
 
 # ---------------------------------------------------------------------- buckets and the gloo group (no Ray)
@@ -798,6 +833,19 @@ def test_fleet_metrics_waits_once_for_actors_that_do_not_answer_and_keeps_their_
     assert stale.actors == before.actors and stale.total == before.total
     time.sleep(max(0.0, 8.5 - (time.monotonic() - start)))  # the sleeps end: later tests find the slots free
     assert fleet.metrics().actors_ready == 2
+
+
+def test_a_prompts_next_group_runs_on_the_actor_that_holds_its_history(fleet, monkeypatch):
+    monkeypatch.setattr(fleet, "_homes", Homes(WorkerConfig(speculation=Speculation(drafts=("history",)))))
+    prompts = [prompt_of(6 + 3 * i, 40 + i) for i in range(6)]
+    params = SamplingParams(n=2, max_new_tokens=4)
+    fleet.generate(prompts, params)
+    first = fleet._homes.of(prompts)
+    assert sorted(first) == [0, 0, 0, 1, 1, 1]  # dealt by load over both actors
+    for prompt, slot in zip(prompts, first):  # as if each had run on the other actor: its history is there now
+        fleet._homes.ran(prompt, 1 - slot)
+    fleet.generate(prompts, params)  # dealt by load alone, each prompt would go where it went the first time
+    assert fleet._homes.of(prompts) == [1 - slot for slot in first]
 
 
 def test_close_stops_every_actor_and_the_ray_it_started(fleet):

@@ -9,6 +9,11 @@ behind a busy actor, and a free or freshly restarted actor pulls the next one). 
 and so takes more chunks. One chunk per worker gives each engine the biggest batch; more chunks rebalance better when
 actors differ in speed and lose less work when one dies.
 
+With `homes` (speculation with "history": the actor whose draft index holds each prompt's earlier completions, or
+None), each actor's chunks take its own prompts first, up to HOME_SLACK over an even share of the call's load; the
+rest is dealt by load as above, into every actor's chunks. A free actor takes its own heaviest chunk, and only then
+another actor's (so a dead or slow actor's prompts still run, without their history).
+
 When an actor dies, every chunk it held goes back to the front of the queue for the others, less the jobs whose
 results it streamed back before dying; a job whose actor died `max_attempts` times is reported (it is probably what
 kills them) instead of being retried forever.
@@ -21,22 +26,32 @@ from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 
 
+HOME_SLACK = 0.25  # an actor's chunks take its own prompts up to this much over an even share of the load
+
+
 @dataclass(frozen=True)
 class Chunk:
     jobs: tuple[int, ...]  # indices into the call's jobs, ascending
     cost: int
+    home: int | None = None  # the actor this chunk's prompts prefer (homes), or None
 
 
 class Dispatcher:
     def __init__(self, costs: Sequence[int], slots: Iterable[int], chunks_per_worker: int = 1,
-                 max_in_flight: int = 1, max_attempts: int = 3) -> None:
+                 max_in_flight: int = 1, max_attempts: int = 3, homes: Sequence[int | None] | None = None) -> None:
         if any(c < 1 for c in costs):
             raise ValueError(f"costs must all be >= 1, got min {min(costs)}")
+        if homes is not None and len(homes) != len(costs):
+            raise ValueError(f"homes must be one per job ({len(costs)}), got {len(homes)}")
         self.costs = list(costs)
         self.max_in_flight = max_in_flight
         self.max_attempts = max_attempts
         slots = list(slots)
-        self.pending: deque[Chunk] = deque(_deal(self.costs, max(1, len(slots)) * chunks_per_worker))
+        if homes is not None and any(h in slots for h in homes):
+            chunks = _deal_home(self.costs, homes, slots, chunks_per_worker)
+        else:
+            chunks = _deal(self.costs, max(1, len(slots)) * chunks_per_worker)
+        self.pending: deque[Chunk] = deque(chunks)
         self.running: dict[int, list[Chunk]] = {slot: [] for slot in slots}
         self.attempts = [0] * len(self.costs)
 
@@ -57,7 +72,8 @@ class Dispatcher:
             if not free:
                 break
             slot = min(free, key=lambda s: (self.load(s), len(self.running[s]), s))
-            chunk = self.pending.popleft()
+            chunk = next((c for c in self.pending if c.home == slot), self.pending[0])  # its own first
+            self.pending.remove(chunk)
             self.running[slot].append(chunk)
             out.append((slot, chunk))
         return out
@@ -71,7 +87,8 @@ class Dispatcher:
         on them)."""
         chunks, self.running[slot] = self.running[slot], []
         left = [[job for job in chunk.jobs if job not in done] for chunk in chunks]
-        chunks = [Chunk(tuple(jobs), sum(self.costs[j] for j in jobs)) for jobs in left if jobs]
+        chunks = [Chunk(tuple(jobs), sum(self.costs[j] for j in jobs), chunk.home)
+                  for jobs, chunk in zip(left, chunks) if jobs]
         self.pending.extendleft(reversed(chunks))
         lost = [job for chunk in chunks for job in chunk.jobs]
         for job in lost:
@@ -93,4 +110,30 @@ def _deal(costs: list[int], num_chunks: int) -> list[Chunk]:
         bins[target].append(job)
         load[target] += costs[job]
     chunks = [Chunk(tuple(sorted(jobs)), cost) for jobs, cost in zip(bins, load)]
+    return sorted(chunks, key=lambda c: -c.cost)
+
+
+def _deal_home(costs: list[int], homes: Sequence[int | None], slots: list[int], per_slot: int) -> list[Chunk]:
+    """`per_slot` chunks per actor: each actor's own jobs first (biggest first, while its load stays under an even
+    share + HOME_SLACK), then every other job, biggest first, into the least loaded chunk; heaviest chunk first."""
+    cap = sum(costs) / len(slots) * (1 + HOME_SLACK)
+    bins = [(slot, []) for slot in slots for _ in range(per_slot)]
+    load = [0] * len(bins)
+    slot_load = dict.fromkeys(slots, 0)
+    rest = []
+
+    def put(target: int, job: int) -> None:
+        bins[target][1].append(job)
+        load[target] += costs[job]
+
+    for job in sorted(range(len(costs)), key=lambda j: -costs[j]):
+        home = homes[job]
+        if home not in slot_load or slot_load[home] + costs[job] > cap:
+            rest.append(job)
+            continue
+        slot_load[home] += costs[job]
+        put(min((b for b in range(len(bins)) if bins[b][0] == home), key=lambda b: (load[b], b)), job)
+    for job in rest:
+        put(min(range(len(bins)), key=lambda b: (load[b], b)), job)
+    chunks = [Chunk(tuple(sorted(jobs)), cost, slot) for (slot, jobs), cost in zip(bins, load) if jobs]
     return sorted(chunks, key=lambda c: -c.cost)

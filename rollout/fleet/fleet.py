@@ -9,7 +9,8 @@ Contract:
   rollout.scoring's; against a meta-device copy of the model: names and shapes, no memory), before any actor is
   touched: a bad request is the worker's InvalidArgument, with the call's own `index`.
 - generate spreads prompts by outstanding token load (dispatch.py); the n samples of a prompt stay on one actor;
-  rows come back prompt-major with global prompt_index, as one RolloutWorker returns them.
+  rows come back prompt-major with global prompt_index, as one RolloutWorker returns them. With speculation's
+  "history" drafts, a prompt goes to the actor that ran it last where the load allows (homes.py).
 - An actor that dies is replaced: its unfinished prompts run on the others meanwhile; the replacement is brought to
   the fleet's weights and version (the retained update, or a live peer's state dict) and checked by fingerprint
   before it takes work. A call that passes `timeout` raises TimeoutError naming the actors still holding work, and
@@ -55,6 +56,7 @@ from ..moe import Routing
 from ..worker.validation import prepare_call
 from .actor import FleetActor, InMemoryModel, model_source, with_adapters
 from .dispatch import Dispatcher
+from .homes import Homes
 from .future import CallCancel, FleetFuture, Groups
 from .meter import FleetMeter
 from .resources import FleetResources
@@ -104,6 +106,7 @@ class RolloutFleet:
         self._actors, self._starting, self._down, self._pg = [], {}, set(), None
         self._overdue: deque[tuple[int, Any, str]] = deque()  # (slot, actor, why): replace when a call next starts
         self._meter, self._metrics_server = FleetMeter(), None
+        self._homes = Homes(self.config)  # which actor holds each prompt's history (speculation), if any
         self._transport: WeightTransport = ObjectStore()
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
@@ -179,10 +182,11 @@ class RolloutFleet:
         def on_group(slot: int, j: int, rows: list) -> None:
             tokens_by_slot[slot] = tokens_by_slot.get(slot, 0) + len(token_lists[j]) + sum(
                 len(r.completion_ids) for r in rows)
+            self._homes.ran(token_lists[j], slot)
             groups.put(self._batch(rows_of(j, rows)))
 
         grouped = self._scatter(costs, submit, timeout, [p.n for p in params], "generate", ("prompts", "rows"), cancel,
-                                call_id, on_group, began)
+                                call_id, on_group, began, self._homes.of(token_lists))
         self._meter.dispatched(tokens_by_slot, self.num_workers)
         return self._batch([row for j in range(len(token_lists)) for row in rows_of(j, grouped[j])])
 
@@ -364,15 +368,16 @@ class RolloutFleet:
     def _scatter(self, costs: list[int], submit: Callable, timeout: float | None, units: list[int], what: str,
                  names: tuple[str, str], cancel: CallCancel | None = None, call_id: int | None = None,
                  on_result: Callable[[int, int, Any], None] | None = None,
-                 began: float | None = None) -> dict[int, Any]:
+                 began: float | None = None, homes: list[int | None] | None = None) -> dict[int, Any]:
         """Run every job on some actor, by load; survive deaths; job index -> result. The fleet's lock is taken for
         each round of bookkeeping and released while waiting, so an update can land meanwhile. `timeout` counts from
         `began` (when the call was submitted; default now). `submit` returns an
         object ref (the chunk's results at once) or a streaming generator (one (chunk index, result) per job as it
         finishes, each passed to `on_result(slot, job, result)`; an actor that dies midway loses only the jobs it had
-        not streamed; a last item (-1, metrics snapshot) updates the fleet's meter)."""
+        not streamed; a last item (-1, metrics snapshot) updates the fleet's meter). `homes`: each job's preferred
+        actor (homes.py), or None."""
         deadline = None if timeout is None else (began or time.monotonic()) + timeout
-        plan = Dispatcher(costs, range(self.num_workers), self.chunks_per_worker)
+        plan = Dispatcher(costs, range(self.num_workers), self.chunks_per_worker, homes=homes)
         inflight: dict[Any, tuple[int, Any, Any]] = {}  # object ref -> (slot, chunk, the actor it went to)
         results: dict[int, Any] = {}
         try:
@@ -553,6 +558,7 @@ class RolloutFleet:
             with contextlib.suppress(Exception):
                 ray.kill(old, no_restart=True)
             self._restarts[slot] += 1
+            self._homes.forget(slot)
             self._meter.actor_replaced(slot)
             self._transport.actor_replaced()
         updates = self._restore_updates(slot)
