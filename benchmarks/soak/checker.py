@@ -15,7 +15,9 @@ Checks (each violation names the call or fault, and the run's seed reproduces it
               (approximate by design, docs/async.md), a request still prefilling then included: its first token
               is the new version's, over KV the old weights computed;
               score results likewise; every update's fingerprint is the fingerprint of the weights sent.
-- replay:     seeded rows generated on one version equal a fault-free replay (replay.py).
+- replay:     seeded rows generated on one version equal a fault-free replay (replay.py), but rows in flight at a
+              "keep" switch (as for exactness); up to a draw whose uniform lay within fp32's floor of the boundary
+              between the two tokens drawn (under the fp64 reference), after which they may differ.
 - end state:  no requests, ledger entries or KV pages left on any engine, every actor slot live and no extra actor
               in Ray, threads back to the warmed-up baseline (pools within their caps), file descriptors too, RSS
               growth bounded.
@@ -62,6 +64,7 @@ class Checker:
         self.violations: list[dict] = []
         self.verified: Counter = Counter()
         self._windows = self._fault_windows()
+        self._keeps = self._keep_switches()
 
     def violate(self, check: str, detail: str, **where: Any) -> None:
         self.violations.append(dict(check=check, detail=detail[:600], seed=self.seed, **where))
@@ -80,7 +83,7 @@ class Checker:
         self.check_fingerprints(versions)
         from .replay import replay
 
-        replay(self, versions)
+        replay(self, model, versions)
         self.check_end_state()
         return dict(violations=self.violations, verified=dict(self.verified))
 
@@ -205,8 +208,17 @@ class Checker:
                 for r in call["ends"][0]["rows"] if r["completion_ids"]]
         return random.Random(f"chaos-check-{self.seed}").sample(rows, min(self.max_rows, len(rows)))
 
+    def kept_in_flight(self, call: dict, r: dict, v: int) -> bool:
+        """Whether the row's version-v tokens may attend to KV of older weights kept by a "keep" switch to k <= v: its
+        tokens before k came from older weights (it was decoding then), or its first token is k's and its call began
+        before that update returned: its request may have been prefilling then (the engine prefills all but the last
+        prompt token of an n > 1 prompt, then forks its samples: seed 2, 30 minutes, a row's first 7 of 8 prompt
+        tokens prefilled by version 434, the 8th and every token after by 435). A row whose call began after the
+        switch returned is never excused: no KV of older weights serves it."""
+        first = min(x for x in r["token_versions"] if x >= 0)
+        return any(first < k <= v or (first == k <= v and call["t0"] < t1) for k, t1 in self._keeps[call["surface"]])
+
     def check_exactness(self, model, versions: Versions) -> None:
-        keeps = self._keep_switches()
         by_version: dict[int, list] = defaultdict(list)
         for call, r in self.sampled_rows():
             for v in set(r["token_versions"]) - {-1}:
@@ -214,9 +226,9 @@ class Checker:
         for v, items in sorted(by_version.items()):
             model.load_state_dict(versions[v])
             for call, r in items:
-                self._check_row(model, call, r, v, keeps[call["surface"]])
+                self._check_row(model, call, r, v)
 
-    def _check_row(self, model, call: dict, r: dict, v: int, keeps: list[tuple[int, float]]) -> None:
+    def _check_row(self, model, call: dict, r: dict, v: int) -> None:
         ids = torch.tensor([r["prompt_ids"] + r["completion_ids"]])
         with torch.no_grad():
             logits = model(ids).logits[0, len(r["prompt_ids"]) - 1: -1]
@@ -224,7 +236,7 @@ class Checker:
         full = torch.log_softmax(logits.double() / temperature, dim=-1)
         expected = full.gather(1, torch.tensor(r["completion_ids"])[:, None]).squeeze(1)
         got = torch.tensor(r["logprobs"][: len(r["completion_ids"])], dtype=torch.float64)
-        excused = _kept_in_flight(call, r, v, keeps)
+        excused = self.kept_in_flight(call, r, v)
         mask = torch.tensor([a and x == v for a, x in zip(r["action_mask"], r["token_versions"])])
         if excused:
             self.verified["tokens after a keep switch (approximate by design, not checked)"] += int(mask.sum())
@@ -292,16 +304,6 @@ class Checker:
         if leftovers:
             self.violate("end state", f"left behind: {leftovers}")
         self.verified["end-state probes (requests, pages, actors, threads, fds, RSS)"] += 1
-
-
-def _kept_in_flight(call: dict, r: dict, v: int, keeps: list[tuple[int, float]]) -> bool:
-    """Whether the row's version-v tokens may attend to KV of older weights kept by a "keep" switch to k <= v: its
-    tokens before k came from older weights (it was decoding then), or its first token is k's and its call began
-    before that update returned (its request may have been prefilling at the switch: seed 2, 30 minutes, a row's
-    first 7 of 8 prompt tokens were prefilled under version 434, the 8th and every token after under 435). A row
-    whose call began after the switch returned is never excused: no KV of older weights serves it."""
-    first = min(x for x in r["token_versions"] if x >= 0)
-    return any(first < k <= v or (first == k <= v and call["t0"] < t1) for k, t1 in keeps)
 
 
 def _grown_threads(base: dict[str, int], final: dict[str, int]) -> dict[str, str]:
