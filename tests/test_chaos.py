@@ -80,6 +80,7 @@ def broken(recorded: dict, how) -> dict:
     (lambda h, c, e: h["probes"]["final"].update(fds=400), "end state"),  # file descriptors leaked
     (lambda h, c, e: h["probes"]["final"]["thread_names"].update(chaos=1), "end state"),  # a thread left running
     (lambda h, c, e: h["probes"]["final"].update(actors_alive=3), "end state"),  # an actor left in Ray
+    (lambda h, c, e: h["probes"]["final"].update(rss_mb=660.0), "end state"),  # +160 MiB: a leak of 5 MiB a minute
 ])
 def test_each_broken_promise_is_a_violation_of_its_own_check(recorded, how, check):
     assert check in checks(broken(recorded, how))
