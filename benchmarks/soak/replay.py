@@ -1,12 +1,13 @@
-"""Fault-free replay: seeded rows that ran on one version are generated again by a fresh RolloutWorker holding
-that version's weights, alone, with nothing else in flight. Seeded samples draw from their own random stream keyed on
+"""Fault-free replay: seeded rows that ran on one version are generated again by a fresh RolloutWorker holding that
+version's weights, alone, with nothing else in flight. Seeded samples draw from their own random stream keyed on
 (seed, sample index), so a row that survived actor kills, engine restarts, preemption under KV pressure, sleep/wake
 or an "abort" re-run must come back with the same tokens (and logprobs within the tolerance). A row cut short by a
 client disconnect must be a prefix of its replay. Up to fp32's floor: the engine's distribution is the fp64 truth's
 within TOL, so where a draw's uniform lies that close to the boundary between two tokens, a batch of other rows may
-tip it either way (seed 2, 30 minutes: a row at T=0.7 drew token 121 at a uniform 5.8e-7 below the fp64 boundary
-with token 122, its replay 122); the rows are compared up to such a draw, checked against the fp64 reference. A row in flight at a "keep" switch is not replayed: it continued over
-KV of older weights (approximate by design, the checker's `kept_in_flight`), which no fault-free run reproduces."""
+tip it either way (seed 2, 30 minutes: a row at T=0.7 drew token 121 at a uniform 5.8e-7 below the fp64 boundary with
+token 122, its replay 122); the rows are compared up to such a draw, checked against the fp64 reference. A row in
+flight at a "keep" switch is not replayed: it continued over KV of older weights (approximate by design, the
+checker's `kept_in_flight`), which no fault-free run reproduces."""
 
 from __future__ import annotations
 
