@@ -25,6 +25,7 @@ def check_in_flight(value: object, field: str = "in_flight") -> None:
 
 
 CUDA_GRAPH_POLICIES = ("auto", "off")
+CPU_LINEAR_KERNELS = ("auto", "blas", "onednn")
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,13 @@ class WorkerConfig:
         implementation, or None to keep the model's. The owner's attention is restored between calls.
     cuda_graphs: "auto" (default) captures the engine's steps in CUDA graphs and overlaps host and device work (async
         batching) on CUDA when the attention allows it (a flash implementation); "off" never does. Off on CPU.
+    cpu_linear: kernels of the engine's fp32 linear layers on CPU: "auto" (default) runs them on oneDNN where torch's
+        BLAS (MKL) runs its slow kernels (an AVX-512 core that is not Intel's: MKL dispatches its AVX-512 kernels on
+        Intel CPUs only; measured 2.2-2.9x faster per linear on an EPYC), else on torch's own; "onednn" always;
+        "blas" never (the trainer's own kernels, bit for bit). Only the engine thread's forward changes: the trainer's
+        forward of the same shared model keeps torch's kernels. oneDNN's fp32 product is summed in another order
+        (~2x MKL's rounding against float64), inside the 1e-5 logprob rule; a seeded row is the same in every process
+        on the same machine and choice. docs/performance.md, "oneDNN linears".
     merge_adapters: for a model carrying LoRA adapters (PEFT), fold them into the base weights while a generate call
         runs and restore the base bytes exactly after it (rollout.model.adapters.merged). On by default: measured
         1.12-1.27x the unmerged generation speed (about that of the base model alone), the merge + restore included
@@ -109,6 +117,7 @@ class WorkerConfig:
     env_threads: int = 64
     attn_implementation: str | None = "auto"
     cuda_graphs: str = "auto"
+    cpu_linear: str = "auto"
     merge_adapters: bool = True
     record_routing: bool = False
     speculation: Speculation | None = None
@@ -146,6 +155,9 @@ class WorkerConfig:
             raise invalid("speculation", self.speculation, "cannot be on with record_routing=True (a verify "
                           "forward routes draft positions that are then rolled back)",
                           "turn speculation off (None or mode='off') while recording routing")
+        if self.cpu_linear not in CPU_LINEAR_KERNELS:
+            raise invalid("cpu_linear", self.cpu_linear, f"must be one of {CPU_LINEAR_KERNELS}",
+                          "use 'auto' (oneDNN where MKL is slow), 'onednn', or 'blas' (torch's own kernels)")
         if self.cuda_graphs not in CUDA_GRAPH_POLICIES:
             raise invalid("cuda_graphs", self.cuda_graphs, f"must be one of {CUDA_GRAPH_POLICIES}",
                           "use 'auto' (on CUDA when the attention allows it) or 'off'")

@@ -38,7 +38,7 @@ from ..base.config import WorkerConfig, check_in_flight
 from ..base.errors import invalid
 from ..base.params import SamplingParams
 from ..moe import Routing, find_routers
-from . import cuda, sizing
+from . import cuda, onednn, sizing
 from .call import Call, Sample
 from .counters import Counters
 from .driver import EpisodeDriver
@@ -125,7 +125,10 @@ class Engine:
                       on_step=self._trace_step)
         was_training = self.model.training
         verifier = self._speculator.verifier() if self._speculator is not None else None
-        manager = RolloutManager(self.model, gen_config, cb_config, RowSlotArgs(table, graphs, verifier), hooks)
+        row_args = RowSlotArgs(table, graphs, verifier)
+        self.linears = "onednn" if onednn.choose(self.config.cpu_linear, self.model) else "torch"
+        row_args.linears = onednn.OneDNNLinears() if self.linears == "onednn" else None
+        manager = RolloutManager(self.model, gen_config, cb_config, row_args, hooks)
         self.max_request_tokens = manager.max_request_tokens
         self.model.train(was_training)
         self._record_routing(manager)

@@ -5,7 +5,8 @@ the engine survives on its own) and both logprobs come from the one pass:
 - `RowSlotArgs` stands where upstream's per-request logits processors are, to own one int32 line of the step's bulk
   input tensor: while the step's inputs are prepared, each sampling row's slot in the `SlotTable` (slots.py) is
   written there, and travels to the device with the other inputs.
-- `RolloutModelRunner._forward_process_and_sample`: the forward, then `sampler.sample_rows` on the rows' parameters
+- `RolloutModelRunner._forward_process_and_sample`: the forward (its fp32 linears on oneDNN when the worker chose
+  so: `RowSlotArgs.linears`, a thread-local TorchFunctionMode, onednn.py), then `sampler.sample_rows` on the rows' parameters
   (gathered from the table by slot) and random counters (their positions); it writes the token, its full-vocabulary
   logprob and its sampling logprob into three rows of the step's output tensor, and, on a step where some row asks
   for top logprobs, the top ids and logprobs into the rows after them (`TOP_IDS`, `TOP_VALUES`). Device work only, nothing read back:
@@ -20,8 +21,10 @@ Pinned by tests/test_upstream_contract.py (the hooked signatures, the output and
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
+from torch.overrides import TorchFunctionMode
 from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessorList
 from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
 from transformers.generation.continuous_batching.model_runner import ModelRunner
@@ -53,6 +56,7 @@ class RowSlotArgs(ContinuousBatchingLogitsProcessorList):
         self.all_passes = all_passes  # a captured step replays one path: it must be the full one
         self.passes = ALL  # this step's sampler passes, read by the runner's forward
         self.verifier = verifier  # speculative decoding (verify.py); None: every row samples one position
+        self.linears: TorchFunctionMode | None = None  # the forward's linears on oneDNN (onednn.py), or None
 
     def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
         int32_tensor.fill_(0)  # the table's default row
@@ -95,7 +99,8 @@ class RolloutModelRunner(ModelRunner):
             indices, slots = plan.indices, plan.slots
             if "logits_to_keep" in batch_data:
                 batch_data["logits_to_keep"] = indices
-        logits = model(**batch_data).logits  # [1, num_tokens or num_logits, V]
+        with args.linears or nullcontext():  # the linears on oneDNN where chosen (onednn.py)
+            logits = model(**batch_data).logits  # [1, num_tokens or num_logits, V]
         if "logits_to_keep" not in batch_data:
             logits = logits[:, indices, :]
         logits = logits[0].float()  # [num_sequences (+ draft positions), V]

@@ -1,0 +1,87 @@
+"""oneDNN linears: the engine's fp32 `F.linear` calls on oneDNN's matmul instead of the BLAS torch links (MKL).
+
+PyTorch's CPU build computes an fp32 `nn.Linear` with MKL's sgemm. MKL picks its kernels by CPU vendor: on AMD cores
+with AVX-512 it runs its AVX2 ones, at about half the machine's fp32 rate (measured on a 2-core EPYC: 190 GFLOP/s at
+128 x 512 x 1536, where oneDNN's AVX-512 kernels reach 450; RESULTS.md, "oneDNN linears"). oneDNN (also in every
+torch CPU build, `torch.ops.mkldnn`) picks kernels by instruction set. `OneDNNLinears` is a TorchFunctionMode entered
+on the engine thread around its forward only (modes are thread-local), so the trainer's forward of the same shared
+model keeps torch's own kernels. It reads the live weight tensor on every call (no packed copy): in-place weight
+updates, LoRA merges and the fleet's broadcasts are seen at once, as with torch's own linear.
+
+The product is the same fp32 product summed in another order: measured against a float64 product, oneDNN's error is
+~2x MKL's (~2e-6 against ~1e-6 on unit-scale inputs at K = 512-1536), far inside the logprob rule (1e-5 of the fp32
+teacher-forced forward), but it is not the trainer's product bit for bit, so `choose` takes oneDNN only where MKL is
+known to be slow (a rule, so a seeded row is the same in every process on the machine).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+
+
+
+def available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class OneDNNLinears(TorchFunctionMode):
+    """`F.linear` on oneDNN for fp32 CPU tensors without autograd; everything else as usual."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if _eligible(x, weight, bias):
+                return _linear(x, weight, bias)
+        return func(*args, **kwargs)
+
+
+def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu":
+        return False
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1] or x.numel() == 0:
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False
+    return bias is None or (bias.dtype == torch.float32 and bias.dim() == 1)
+
+
+def choose(choice: str, model: torch.nn.Module) -> bool:
+    """Whether the engine's forward runs its fp32 linears on oneDNN: "onednn" yes, "blas" no, "auto" where MKL is
+    known to run its slow kernels: an x86 core with AVX-512 that is not Intel's (MKL dispatches its AVX-512 kernels on
+    Intel CPUs only). A rule, not a timing at start, so the same machine always takes the same kernels and a seeded
+    row is the same in every process."""
+    if choice == "blas" or not available() or not _has_fp32_linear(model):
+        return False
+    return choice == "onednn" or slow_blas()
+
+
+def slow_blas() -> bool:
+    """An x86 CPU with AVX-512 whose vendor is not Intel, where torch's BLAS is MKL."""
+    return torch.backends.mkl.is_available() and torch.backends.cpu.get_cpu_capability() == "AVX512" \
+        and cpu_vendor() not in ("GenuineIntel", "")
+
+
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("" where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _has_fp32_linear(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+               for m in model.modules())

@@ -1,0 +1,128 @@
+"""oneDNN linears (rollout/engine/onednn.py): the engine's fp32 linears on oneDNN, inside the logprob rule of the
+trainer's own forward, on the engine thread only, and reading the live weights."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import reference_logprobs
+
+from rollout import RolloutWorker, SamplingParams, WorkerConfig
+from rollout.engine import onednn
+from rollout.testing import build_tiny_model, load_tiny_model
+
+pytestmark = pytest.mark.skipif(not onednn.available(), reason="this torch build has no oneDNN")
+
+
+@pytest.fixture(scope="module")
+def normal_path(tmp_path_factory):
+    """A normally initialised model (init std 0.02): the one the exactness rule is stated for."""
+    return build_tiny_model(tmp_path_factory.mktemp("onednn") / "small", size="small", init_std=0.02)
+
+
+@pytest.fixture()
+def spy(monkeypatch):
+    """Counts the oneDNN linears the engine runs, by thread name."""
+    calls: dict[str, int] = {}
+    original = onednn._linear
+
+    def counted(x, weight, bias):
+        name = threading.current_thread().name
+        calls[name] = calls.get(name, 0) + 1
+        return original(x, weight, bias)
+
+    monkeypatch.setattr(onednn, "_linear", counted)
+    return calls
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(10, vocab, (n,), generator=g).tolist() for n in (1, 15, 16, 17, 40)]
+
+
+def _gaps(model, batch, temperature: float) -> torch.Tensor:
+    gaps = []
+    for r, completion in enumerate(batch.completion_token_lists()):
+        ref, _ = reference_logprobs(model, batch.prompt_ids[r], completion, temperature)
+        gaps.append((batch.logprobs[r, : len(completion)] - ref).abs())
+    return torch.cat(gaps)
+
+
+def test_the_private_op_is_f_linear_of_the_live_weight():
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 64, generator=g) * 0.02, torch.randn(96, generator=g)
+    x = torch.randn(3, 5, 64, generator=g)
+    expected = (x.double() @ weight.double().T + bias.double())
+    assert torch.allclose(onednn._linear(x, weight, bias).double(), expected, atol=1e-6, rtol=0)
+    with torch.no_grad():
+        weight.mul_(-2.0)  # in place: a packed copy would not see it
+    expected = (x.double() @ weight.double().T + bias.double())
+    assert torch.allclose(onednn._linear(x, weight, bias).double(), expected, atol=1e-6, rtol=0)
+
+
+def test_only_fp32_linears_without_autograd_go_to_onednn(spy):
+    weight = torch.randn(8, 4, requires_grad=True)
+    x = torch.randn(2, 4)
+    with onednn.OneDNNLinears():
+        y = F.linear(x, weight)  # autograd needs torch's own linear
+        assert y.requires_grad and not spy
+        with torch.no_grad():
+            F.linear(x.double(), weight.double())
+            assert not spy
+            F.linear(x, weight)
+    assert sum(spy.values()) == 1
+
+
+def test_choice_follows_the_rule(tiny):
+    model, _ = tiny
+    assert onednn.choose("onednn", model) and not onednn.choose("blas", model)
+    assert onednn.choose("auto", model) == onednn.slow_blas()
+    assert not onednn.choose("onednn", model.to(torch.bfloat16))  # no fp32 linear: nothing to change
+
+
+def test_onednn_rows_are_inside_the_logprob_rule_of_the_teacher_forced_forward(normal_path, spy):
+    model, _ = load_tiny_model(normal_path)
+    prompts = _prompts(model.config.vocab_size)
+    with RolloutWorker(model, WorkerConfig(cpu_linear="onednn", page_size=16)) as worker:
+        assert worker.engine.linears == "onednn"
+        batch = worker.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=20, seed=1))
+        again = worker.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=20, seed=1))
+    assert spy.get("rollout-engine", 0) > 0 and set(spy) == {"rollout-engine"}
+    gaps = _gaps(model, batch, 1.0)
+    assert gaps.max().item() <= 1e-5 and gaps.mean().item() <= 1e-6, (gaps.max().item(), gaps.mean().item())
+    assert again.completion_token_lists() == batch.completion_token_lists()  # seeded rows reproduce
+
+
+def test_the_trainer_thread_keeps_torchs_own_linear_while_the_engine_runs(normal_path, spy):
+    model, _ = load_tiny_model(normal_path)
+    ids = torch.tensor([_prompts(model.config.vocab_size)[-1]])
+    with torch.no_grad():
+        before = model(ids).logits
+    with RolloutWorker(model, WorkerConfig(cpu_linear="onednn")) as worker:
+        future = worker.submit(_prompts(model.config.vocab_size), SamplingParams(n=4, max_new_tokens=48))
+        during = []
+        while not future.done() or not during:
+            with torch.no_grad():
+                during.append(model(ids).logits)
+        future.result()
+    assert set(spy) == {"rollout-engine"}
+    assert all(torch.equal(d, before) for d in during)  # bit for bit: the trainer's kernels
+
+
+def test_weights_changed_in_place_are_what_the_next_call_computes(normal_path):
+    model, _ = load_tiny_model(normal_path)
+    prompts = _prompts(model.config.vocab_size)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=16, seed=5)
+    with RolloutWorker(model, WorkerConfig(cpu_linear="onednn")) as worker:
+        worker.generate(prompts, params)
+        with worker.weight_update() as bump:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.01)
+            bump()
+        batch = worker.generate(prompts, params)
+    gaps = _gaps(model, batch, 1.0)
+    assert gaps.max().item() <= 1e-5 and gaps.mean().item() <= 1e-6, (gaps.max().item(), gaps.mean().item())
