@@ -21,8 +21,8 @@ Each engine runs in its own process (vLLM pins transformers < 5.20, so it lives 
 alternate, `--rounds` processes each, and every process times `--steps` steps after a warm-up step: the table shows
 the best step of each engine. Start-up is the engine's construction in a fresh process (model load included; vLLM's
 includes its inductor compile). The roofline is this machine's fp32 matmul rate on these threads (a 512 x hidden @
-hidden x intermediate GEMM); an engine's fraction of it is its useful tokens/s x 2 x (non-embedding parameters +
-lm_head) / roofline. The logprob gap is |engine logprob - fp32 teacher-forced forward| (transformers, sdpa) over the
+hidden x intermediate GEMM, torch's or oneDNN's kernel, whichever is faster); an engine's fraction of it is its
+useful tokens/s x 2 x (non-embedding parameters + lm_head) / roofline. The logprob gap is |engine logprob - fp32 teacher-forced forward| (transformers, sdpa) over the
 rows each engine returned, mean and max.
 
 Without `--setup` (or offline), it says how to set vLLM up and still prints this engine's side.
@@ -175,16 +175,21 @@ def vllm_ready() -> str | None:
 # ---------------------------------------------------------------------------------------------------- measures
 def roofline_gflops(hidden: int, intermediate: int, threads: int, repeats: int = 20) -> float:
     """This machine's fp32 matmul rate on `threads` threads: the best of `repeats` 512 x hidden @ hidden x
-    intermediate GEMMs."""
+    intermediate GEMMs, with torch's kernel (MKL) or oneDNN's, whichever is faster here."""
     import torch
 
+    from rollout.engine import onednn
+
     torch.set_num_threads(threads)
-    a, b = torch.randn(512, hidden), torch.randn(hidden, intermediate)
+    a, w = torch.randn(512, hidden), torch.randn(intermediate, hidden)
+    kernels = [lambda: torch.mm(a, w.T)] + ([lambda: onednn._linear(a, w, None)] if onednn.available() else [])
     best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - t0)
+    for kernel in kernels:
+        kernel()
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            kernel()
+            best = min(best, time.perf_counter() - t0)
     return 2 * 512 * hidden * intermediate / best / 1e9
 
 

@@ -8,15 +8,25 @@ import platform
 import time
 
 
-def gemm_gflops() -> float:
-    """fp32 GFLOP/s of a 512 x 2048 @ 2048 x 2048 matmul on the current torch threads (mean of 20, after one)."""
+def gemm_gflops(kernel: str = "torch") -> float:
+    """fp32 GFLOP/s of a 512 x 2048 @ 2048 x 2048 matmul on the current torch threads (mean of 20, after one), with
+    torch's own kernel (its BLAS: MKL) or oneDNN's (`rollout.engine.onednn`; 0 where this torch has none)."""
     import torch
 
     a, b = torch.randn(512, 2048), torch.randn(2048, 2048)
-    a @ b
+    if kernel == "onednn":
+        from rollout.engine import onednn
+
+        if not onednn.available():
+            return 0.0
+        weight = b.T.contiguous()
+        run = lambda: onednn._linear(a, weight, None)  # noqa: E731
+    else:
+        run = lambda: a @ b  # noqa: E731
+    run()
     start, reps = time.perf_counter(), 20
     for _ in range(reps):
-        a @ b
+        run()
     return 2 * 512 * 2048 * 2048 * reps / (time.perf_counter() - start) / 1e9
 
 
@@ -39,5 +49,5 @@ def cpu_model() -> str:
 
 def card() -> str:
     """One line: the CPU, its cores, the GEMM rate and the flags."""
-    return (f"{cpu_model()}, {os.cpu_count()} cpus, fp32 GEMM {gemm_gflops():.0f} GFLOP/s (512x2048x2048), "
-            f"flags: {cpu_flags()}")
+    return (f"{cpu_model()}, {os.cpu_count()} cpus, fp32 GEMM {gemm_gflops():.0f} GFLOP/s torch, "
+            f"{gemm_gflops('onednn'):.0f} oneDNN (512x2048x2048), flags: {cpu_flags()}")
