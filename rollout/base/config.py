@@ -78,10 +78,12 @@ class WorkerConfig:
         implementation, or None to keep the model's. The owner's attention is restored between calls.
     cuda_graphs: "auto" (default) captures the engine's steps in CUDA graphs and overlaps host and device work (async
         batching) on CUDA when the attention allows it (a flash implementation); "off" never does. Off on CPU.
-    cpu_linear: kernels of the engine's fp32 linear layers on CPU: "auto" (default) runs them on oneDNN where torch's
-        BLAS (MKL) runs its slow kernels (an AVX-512 core that is not Intel's: MKL dispatches its AVX-512 kernels on
-        Intel CPUs only; measured 2.2-2.9x faster per linear on an EPYC), else on torch's own; "onednn" always;
-        "blas" never (the trainer's own kernels, bit for bit). Only the engine thread's forward changes: the trainer's
+    cpu_linear: kernels of the engine's fp32 linear layers on CPU: "blas" (default) torch's own (the trainer's, bit
+        for bit); "auto" runs them on oneDNN where torch's BLAS (MKL) runs its slow kernels (an AVX-512 core that is
+        not Intel's: MKL dispatches its AVX-512 kernels on Intel CPUs only; measured 1.6-3.1x faster per linear and
+        1.31x on a GRPO step on an EPYC), else on torch's own; "onednn" always. Not the default yet: oneDNN keeps
+        memory per distinct row count it has seen (+383 MiB over 120 varied calls of the tiny test model, +39 MiB with
+        "blas"; docs/performance.md). Only the engine thread's forward changes: the trainer's
         forward of the same shared model keeps torch's kernels. oneDNN's fp32 product is summed in another order
         (~2x MKL's rounding against float64), inside the 1e-5 logprob rule; a seeded row is the same in every process
         on the same machine and choice. docs/performance.md, "oneDNN linears".
@@ -117,7 +119,7 @@ class WorkerConfig:
     env_threads: int = 64
     attn_implementation: str | None = "auto"
     cuda_graphs: str = "auto"
-    cpu_linear: str = "auto"
+    cpu_linear: str = "blas"
     merge_adapters: bool = True
     record_routing: bool = False
     speculation: Speculation | None = None
@@ -157,7 +159,7 @@ class WorkerConfig:
                           "turn speculation off (None or mode='off') while recording routing")
         if self.cpu_linear not in CPU_LINEAR_KERNELS:
             raise invalid("cpu_linear", self.cpu_linear, f"must be one of {CPU_LINEAR_KERNELS}",
-                          "use 'auto' (oneDNN where MKL is slow), 'onednn', or 'blas' (torch's own kernels)")
+                          "use 'blas' (torch's own kernels), 'auto' (oneDNN where MKL is slow) or 'onednn'")
         if self.cuda_graphs not in CUDA_GRAPH_POLICIES:
             raise invalid("cuda_graphs", self.cuda_graphs, f"must be one of {CUDA_GRAPH_POLICIES}",
                           "use 'auto' (on CUDA when the attention allows it) or 'off'")
