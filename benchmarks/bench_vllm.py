@@ -22,8 +22,8 @@ alternate, `--rounds` processes each, and every process times `--steps` steps af
 the best step of each engine. Start-up is the engine's construction in a fresh process (model load included; vLLM's
 includes its inductor compile). The roofline is this machine's fp32 matmul rate on these threads (a 512 x hidden @
 hidden x intermediate GEMM, torch's or oneDNN's kernel, whichever is faster); an engine's fraction of it is its
-useful tokens/s x 2 x (non-embedding parameters + lm_head) / roofline. The logprob gap is |engine logprob - fp32 teacher-forced forward| (transformers, sdpa) over the
-rows each engine returned, mean and max.
+useful tokens/s x 2 x (non-embedding parameters + lm_head) / roofline. The logprob gap is |engine logprob - fp32
+teacher-forced forward| (transformers, sdpa) over the rows each engine returned, mean and max.
 
 Without `--setup` (or offline), it says how to set vLLM up and still prints this engine's side.
 """

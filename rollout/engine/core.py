@@ -126,7 +126,7 @@ class Engine:
         was_training = self.model.training
         verifier = self._speculator.verifier() if self._speculator is not None else None
         row_args = RowSlotArgs(table, graphs, verifier)
-        self.linears = "onednn" if onednn.choose(self.config.cpu_linear, self.model) else "torch"
+        self.linears = "onednn" if onednn.choose(self.config.cpu_linear, self.model) else "blas"  # as in cpu_linear
         row_args.linears = onednn.OneDNNLinears() if self.linears == "onednn" else None
         manager = RolloutManager(self.model, gen_config, cb_config, row_args, hooks)
         self.max_request_tokens = manager.max_request_tokens

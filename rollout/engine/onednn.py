@@ -21,8 +21,6 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 
-
-
 def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 

@@ -56,8 +56,8 @@ from ..moe import Routing
 from ..worker.validation import prepare_call
 from .actor import FleetActor, InMemoryModel, model_source, with_adapters
 from .dispatch import Dispatcher
-from .homes import Homes
 from .future import CallCancel, FleetFuture, Groups
+from .homes import Homes
 from .meter import FleetMeter
 from .resources import FleetResources
 from .transport import Collective, ObjectStore, TransportFailed, WeightTransport

@@ -3,9 +3,9 @@
 With speculation's "history" drafts (docs/speculation.md), an actor's draft index holds the completions of the prompts
 it ran; another actor has none of them. The fleet records, per prompt (its exact token ids), the actor that returned
 its last group, and the dispatcher (dispatch.py) deals each prompt to that actor's chunks where the load allows. The
-record is bounded (the MAX_PROMPTS most recent prompts, ~100 bytes each beside the ids it shares with the call) and
-an actor's entries are dropped when it is replaced (its successor starts with an empty history). Off (no record) when
-the fleet's workers keep no history.
+record is bounded (the MAX_PROMPTS most recent prompts, each a tuple of its ids: 8 bytes a token, the int objects
+shared with the call), and an actor's entries are dropped when it is replaced (its successor starts with an empty
+history). Off (no record) when the fleet's workers keep no history.
 """
 
 from __future__ import annotations
@@ -50,6 +50,3 @@ class Homes:
         with self._lock:
             for key in [k for k, s in self._slots.items() if s == slot]:
                 del self._slots[key]
-
-    def __len__(self) -> int:
-        return len(self._slots)

@@ -6,11 +6,11 @@ the engine survives on its own) and both logprobs come from the one pass:
   input tensor: while the step's inputs are prepared, each sampling row's slot in the `SlotTable` (slots.py) is
   written there, and travels to the device with the other inputs.
 - `RolloutModelRunner._forward_process_and_sample`: the forward (its fp32 linears on oneDNN when the worker chose
-  so: `RowSlotArgs.linears`, a thread-local TorchFunctionMode, onednn.py), then `sampler.sample_rows` on the rows' parameters
-  (gathered from the table by slot) and random counters (their positions); it writes the token, its full-vocabulary
-  logprob and its sampling logprob into three rows of the step's output tensor, and, on a step where some row asks
-  for top logprobs, the top ids and logprobs into the rows after them (`TOP_IDS`, `TOP_VALUES`). Device work only, nothing read back:
-  the step can run ahead of the host (async batching) and be captured (CUDA graphs).
+  so: `RowSlotArgs.linears`, a thread-local TorchFunctionMode, onednn.py), then `sampler.sample_rows` on the rows'
+  parameters (gathered from the table by slot) and random counters (their positions); it writes the token, its
+  full-vocabulary logprob and its sampling logprob into three rows of the step's output tensor, and, on a step where
+  some row asks for top logprobs, the top ids and logprobs into the rows after them (`TOP_IDS`, `TOP_VALUES`). Device
+  work only, nothing read back: the step can run ahead of the host (async batching) and be captured (CUDA graphs).
 - `RolloutIOs`: the output tensor gets those rows; where the engine reads tokens and logprobs back after the step
   (`prepare_batch_update`), the sampling logprobs come back with them, in the same read, to `record`, with a reader
   of each recorded row's top lists (`TopReader`: only rows that asked are read).
