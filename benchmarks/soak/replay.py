@@ -17,9 +17,8 @@ from collections import defaultdict
 import torch
 
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
+from rollout.engine.core import SEEDED  # the first word of a seeded row's stream key
 from rollout.engine.streams import stream_key, uniform_reference
-
-SEEDED = 1  # the first word of a seeded row's stream key (rollout/engine/core.py: stream_key(SEEDED, seed, sample))
 
 TOL = 2e-5  # fp32's floor on these rows (checker.py)
 
