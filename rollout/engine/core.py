@@ -99,6 +99,8 @@ class Engine:
         self.captures = False  # the manager captures CUDA graphs and batches asynchronously (no constrained rows)
         self._recorder: RoutingRecorder | None = None
         self._speculator = Speculator.of(self.config, self._draftable, self._drafted)  # None: speculation off
+        # the kernels of the forward's fp32 linears, named as in WorkerConfig.cpu_linear (onednn.py), chosen once
+        self.linears = "onednn" if onednn.choose(self.config.cpu_linear, self.model) else "blas"
         self._manager = self._build_manager()
         self._supervisor = threading.Thread(target=self._supervise, daemon=True, name="rollout-supervisor")
         self._supervisor.start()
@@ -126,7 +128,6 @@ class Engine:
         was_training = self.model.training
         verifier = self._speculator.verifier() if self._speculator is not None else None
         row_args = RowSlotArgs(table, graphs, verifier)
-        self.linears = "onednn" if onednn.choose(self.config.cpu_linear, self.model) else "blas"  # as in cpu_linear
         row_args.linears = onednn.OneDNNLinears() if self.linears == "onednn" else None
         manager = RolloutManager(self.model, gen_config, cb_config, row_args, hooks)
         self.max_request_tokens = manager.max_request_tokens
