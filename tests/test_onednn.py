@@ -23,15 +23,24 @@ def normal_path(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("onednn") / "small", size="small", init_std=0.02)
 
 
+class _Calls(dict):
+    """oneDNN linear calls by thread name, and the row counts they ran at."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows: set[int] = set()
+
+
 @pytest.fixture()
 def spy(monkeypatch):
     """Counts the oneDNN linears the engine runs, by thread name."""
-    calls: dict[str, int] = {}
+    calls = _Calls()
     original = onednn._linear
 
     def counted(x, weight, bias):
         name = threading.current_thread().name
         calls[name] = calls.get(name, 0) + 1
+        calls.rows.add(x.shape[0])
         return original(x, weight, bias)
 
     monkeypatch.setattr(onednn, "_linear", counted)
@@ -76,6 +85,31 @@ def test_only_fp32_linears_without_autograd_go_to_onednn(spy):
     assert sum(spy.values()) == 1
 
 
+def test_rows_are_padded_to_few_buckets_so_onednn_builds_few_kernels():
+    assert len(onednn.BUCKETS) == 24 and onednn.BUCKETS[-1] == onednn.CHUNK
+    for rows in range(1, onednn.CHUNK + 1):
+        size = onednn.bucket(rows)
+        assert size in onednn.BUCKETS and rows <= size
+        assert rows <= 8 or size < 1.25 * rows  # 4 buckets an octave: under 25% padding
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9, 17, 100, 255, 256, 257, 600])
+def test_a_bucketed_linear_is_each_rows_own_product_at_a_bucketed_row_count(monkeypatch, rows):
+    seen = []
+    original = onednn._linear
+    monkeypatch.setattr(onednn, "_linear", lambda x, w, b: seen.append(x.shape[0]) or original(x, w, b))
+    g = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(48, 64, generator=g) * 0.02, torch.randn(48, generator=g)
+    x = torch.randn(1, rows, 64, generator=g)
+    with onednn.OneDNNLinears():
+        y = F.linear(x, weight, bias)
+    assert y.shape == (1, rows, 48) and y.is_contiguous()
+    expected = x.double() @ weight.double().T + bias.double()
+    assert (y.double() - expected).abs().max().item() < 1e-6
+    assert set(seen) <= set(onednn.BUCKETS) and sum(seen) >= rows
+    assert sum(seen) - rows < onednn.CHUNK  # padding only in the last piece
+
+
 def test_choice_follows_the_rule(tiny):
     model, _ = tiny
     assert onednn.choose("onednn", model) and not onednn.choose("blas", model)
@@ -91,6 +125,7 @@ def test_onednn_rows_are_inside_the_logprob_rule_of_the_teacher_forced_forward(n
         batch = worker.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=20, seed=1))
         again = worker.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=20, seed=1))
     assert spy.get("rollout-engine", 0) > 0 and set(spy) == {"rollout-engine"}
+    assert spy.rows <= set(onednn.BUCKETS)  # a step's token count never reaches oneDNN unbucketed
     gaps = _gaps(model, batch, 1.0)
     assert gaps.max().item() <= 1e-5 and gaps.mean().item() <= 1e-6, (gaps.max().item(), gaps.mean().item())
     assert again.completion_token_lists() == batch.completion_token_lists()  # seeded rows reproduce

@@ -78,15 +78,15 @@ class WorkerConfig:
         implementation, or None to keep the model's. The owner's attention is restored between calls.
     cuda_graphs: "auto" (default) captures the engine's steps in CUDA graphs and overlaps host and device work (async
         batching) on CUDA when the attention allows it (a flash implementation); "off" never does. Off on CPU.
-    cpu_linear: kernels of the engine's fp32 linear layers on CPU: "blas" (default) torch's own (the trainer's, bit
-        for bit); "auto" runs them on oneDNN where torch's BLAS (MKL) runs its slow kernels (an AVX-512 core that is
-        not Intel's: MKL dispatches its AVX-512 kernels on Intel CPUs only; measured 1.6-3.1x faster per linear and
-        1.31x on a GRPO step on an EPYC), else on torch's own; "onednn" always. Not the default yet: oneDNN keeps
-        memory per distinct row count it has seen (+383 MiB over 120 varied calls of the tiny test model, +39 MiB with
-        "blas"; docs/performance.md). Only the engine thread's forward changes: the trainer's
-        forward of the same shared model keeps torch's kernels. oneDNN's fp32 product is summed in another order
-        (~2x MKL's rounding against float64), inside the 1e-5 logprob rule; a seeded row is the same in every process
-        on the same machine and choice. docs/performance.md, "oneDNN linears".
+    cpu_linear: kernels of the engine's fp32 linear layers on CPU: "auto" (default) runs them on oneDNN where
+        torch's BLAS (MKL) runs its slow kernels (an AVX-512 core that is not Intel's: MKL dispatches its AVX-512
+        kernels on Intel CPUs only; measured 1.6-3.1x faster per linear and 1.2-1.3x on a GRPO step on an EPYC), else
+        on torch's own; "blas" always torch's own (the trainer's, bit for bit); "onednn" always oneDNN. Only the engine
+        thread's forward changes: the trainer's forward of the same shared model keeps torch's kernels. oneDNN's fp32
+        product is summed in another order (~2x MKL's rounding against float64), inside the 1e-5 logprob rule; a
+        seeded row is the same in every process on the same machine and choice. oneDNN keeps a compiled kernel per
+        row count, so rows are padded to 24 buckets: its memory is bounded (~0.55 MiB a kernel, ~66 MiB for the tiny
+        test model). docs/performance.md, "oneDNN linears".
     merge_adapters: for a model carrying LoRA adapters (PEFT), fold them into the base weights while a generate call
         runs and restore the base bytes exactly after it (rollout.model.adapters.merged). On by default: measured
         1.12-1.27x the unmerged generation speed (about that of the base model alone), the merge + restore included
@@ -119,7 +119,7 @@ class WorkerConfig:
     env_threads: int = 64
     attn_implementation: str | None = "auto"
     cuda_graphs: str = "auto"
-    cpu_linear: str = "blas"
+    cpu_linear: str = "auto"
     merge_adapters: bool = True
     record_routing: bool = False
     speculation: Speculation | None = None
