@@ -7,6 +7,7 @@ import torch
 
 from conftest import reference_logprobs
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
+from rollout.engine import decode_kernel
 from rollout.engine.upstream import attention, plan as plan_mod
 from rollout.engine.upstream.attention import NAME
 
@@ -42,6 +43,17 @@ def plans(monkeypatch):
     return built
 
 
+@pytest.fixture(params=["kernel", "workspace"])
+def decode_path(request, monkeypatch):
+    """Decode attention on the paged decode kernel (where it builds) or on the workspace path (bucketed SDPAs over
+    pages read into a workspace, shared prefixes merged by log-sum-exp): both must match the plain forward."""
+    if request.param == "kernel" and decode_kernel.load() is None:
+        pytest.skip("the paged decode kernel cannot be built here (no C compiler)")
+    if request.param == "workspace":
+        monkeypatch.setattr(decode_kernel, "usable", lambda *args: False)
+    return request.param
+
+
 def random_model(arch: str = "llama", kv_heads: int = 2, **extra):
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
@@ -54,7 +66,7 @@ def random_model(arch: str = "llama", kv_heads: int = 2, **extra):
 
 
 @pytest.mark.parametrize("call_tokens", [0, plan_mod.CALL_TOKENS])
-def test_chunked_prefill_decode_and_forks_match_a_plain_forward(tiny, plans, monkeypatch, call_tokens):
+def test_chunked_prefill_decode_and_forks_match_a_plain_forward(tiny, plans, monkeypatch, call_tokens, decode_path):
     monkeypatch.setattr(plan_mod, "CALL_TOKENS", call_tokens)
     model, _ = tiny
     params = [SamplingParams(n=3, temperature=1.0, max_new_tokens=14, ignore_eos=True),
@@ -68,6 +80,10 @@ def test_chunked_prefill_decode_and_forks_match_a_plain_forward(tiny, plans, mon
     assert any(r.mask is not None for p in plans for r in p.prefill), "no chunk continued a cached prefix"
     assert any(p.decode and p.prefill for p in plans), "decodes never ran next to a prefill chunk"
     decodes = [p.decode for p in plans if p.decode is not None]
+    if decode_path == "kernel":  # every decode row in one kernel call, in step order, wherever it sits in the step
+        assert all(d.kernel is not None and not d.buckets for d in decodes)
+        assert any(bool((d.kernel.positions != torch.arange(d.num_rows)).any()) for d in decodes)
+        return
     assert any(d.query_index is not None for d in decodes), "decode rows always came in order"
     assert any(len(d.buckets) > 1 for d in decodes)
     prefixes = [d.prefix for d in decodes if d.prefix is not None]
@@ -84,7 +100,8 @@ def test_chunked_prefill_decode_and_forks_match_a_plain_forward(tiny, plans, mon
         assert any(b.mask is not None for b in buckets), "decode rows never needed padding"
 
 
-def test_lock_step_samples_share_prefixes_without_reordering(tiny, plans):
+def test_lock_step_samples_share_prefixes_without_reordering(tiny, plans, monkeypatch):
+    monkeypatch.setattr(decode_kernel, "usable", lambda *args: False)  # the workspace path's layout
     # every prompt spans whole pages and has the same n: the slot grid is the decode order itself
     model, _ = tiny
     params = [SamplingParams(n=4, temperature=1.0, max_new_tokens=12, ignore_eos=True)] * 3
@@ -95,7 +112,7 @@ def test_lock_step_samples_share_prefixes_without_reordering(tiny, plans):
     assert any(p.num_groups == 3 and p.group_size == 4 and p.slots is None and p.row_slot is None for p in prefixes)
 
 
-def test_prefix_cache_hits_match_a_plain_forward(tiny, plans):
+def test_prefix_cache_hits_match_a_plain_forward(tiny, plans, decode_path):
     model, _ = tiny
     params = [SamplingParams(n=2, temperature=1.0, max_new_tokens=8, ignore_eos=True)] * 2
     prompts = prompts_of([37, 50], seed=1)
@@ -110,13 +127,14 @@ def test_prefix_cache_hits_match_a_plain_forward(tiny, plans):
 
 
 @pytest.mark.parametrize("kv_heads", [1, 4], ids=["gqa-4-to-1", "mha"])
-def test_grouped_and_plain_multi_head_attention_match_a_plain_forward(kv_heads, plans):
+def test_grouped_and_plain_multi_head_attention_match_a_plain_forward(kv_heads, plans, decode_path):
     model = random_model(kv_heads=kv_heads)
     params = [SamplingParams(n=3, temperature=1.0, max_new_tokens=10, ignore_eos=True)] * 3
     with RolloutWorker(model, WorkerConfig(max_batch_tokens=32, attn_implementation=NAME)) as worker:
         batch = worker.generate(prompts_of([9, 40, 70], vocab=512), params)
     assert_exact(model, batch, params)
-    assert any(p.decode is not None and p.decode.prefix is not None for p in plans)
+    decodes = [p.decode for p in plans if p.decode is not None]
+    assert all(d.kernel is not None for d in decodes) if decode_path == "kernel" else any(d.prefix for d in decodes)
 
 
 def test_sliding_window_layers_match_a_plain_forward(plans):

@@ -38,7 +38,7 @@ from transformers.generation.continuous_batching.cache import PagedAttentionCach
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from .. import cuda
+from .. import cuda, decode_kernel
 from .plan import Decode, Plan, SharedPrefixes, bottom_right_causal, plan_for
 
 NAME = "rollout_paged"
@@ -87,8 +87,17 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
 
 
 def _decode(plan: Decode, read: "_Reader", q: torch.Tensor, out: torch.Tensor, scaling: float | None) -> None:
-    """All decode rows: one SDPA per bucket over the rows' own keys, query heads grouped onto their KV head
-    ([n, Hkv, H / Hkv, D], no repeat_kv); then one SDPA of every shared prefix, merged in."""
+    """All decode rows: one call of the paged decode kernel where it runs (decode_kernel.py); else one SDPA per bucket
+    over the rows' own keys, query heads grouped onto their KV head ([n, Hkv, H / Hkv, D], no repeat_kv), then one
+    SDPA of every shared prefix, merged in."""
+    if plan.kernel is not None:
+        rows = plan.kernel
+        if not decode_kernel.paged_decode(q, read.keys, read.values, rows.table, rows.lens, rows.positions, out,
+                                          read.page, scaling):
+            raise RuntimeError(f"{NAME}: the paged decode kernel does not take this layer ({q.shape[1]} query heads, "
+                               f"{read.num_kv_heads} KV heads, head dim {q.shape[2]}, page {read.page}). Fix: set "
+                               "ROLLOUT_DECODE_KERNEL=0 (the workspace path) or attn_implementation='sdpa'.")
+        return
     num_rows, num_heads, head_dim = plan.num_rows, q.shape[1], q.shape[2]
     num_kv_heads = read.num_kv_heads
     qd = q[:num_rows] if plan.query_index is None else q.index_select(0, plan.query_index)

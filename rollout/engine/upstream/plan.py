@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
+from .. import decode_kernel
+
 # Decode rows are bucketed by key length. A row joins the current bucket when padding the bucket to its length costs
 # fewer key reads than one more SDPA call (CALL_TOKENS, in key tokens per row) and the bucket's KV stays small enough
 # to be read straight back from the CPU cache by the SDPA that follows (BUCKET_BYTES).
@@ -50,16 +52,28 @@ class SharedPrefixes:
 
 
 @dataclass
+class KernelRows:
+    """Every decode row of a step as the paged decode kernel reads them (rollout/engine/decode_kernel.py), in step
+    order: no buckets, no shared prefixes, the keys read where they lie."""
+
+    table: torch.Tensor  # int64 [R, most pages] each row's pages in order (a shorter row repeats its last page)
+    lens: torch.Tensor  # int64 [R] keys per row
+    positions: torch.Tensor  # int64 [R] the rows' query tokens in the step
+
+
+@dataclass
 class Decode:
-    """Every decode row (one query token) of a step, ordered so that each bucket is a contiguous range."""
+    """Every decode row (one query token) of a step: for the paged decode kernel (`kernel`), or ordered so that
+    each bucket is a contiguous range."""
 
     query_index: torch.Tensor | None  # [R] positions of the rows' query tokens; None: the first R tokens, in order
     buckets: list[DecodeBucket] = field(default_factory=list)
     prefix: SharedPrefixes | None = None
+    kernel: KernelRows | None = None
 
     @property
     def num_rows(self) -> int:
-        return self.buckets[-1].end
+        return self.kernel.lens.numel() if self.kernel is not None else self.buckets[-1].end
 
 
 @dataclass
@@ -147,10 +161,13 @@ def _plan_block_table(table: torch.Tensor, live: list[int], starts_q: list[int],
 
 def _plan_decode(pages: torch.Tensor, key_lens: list[int], starts_q: list[int], allocator) -> Decode:
     """Decode rows (one query token each) whose keys are in `pages` ([R, most pages], a shorter row repeating its
-    last page): shared prefixes first (CPU only: merging needs the log-sum-exp that the CPU flash kernel returns),
+    last page): all of them for the paged decode kernel where it runs (fp32 on CPU), else shared prefixes first (CPU only: merging needs the log-sum-exp that the CPU flash kernel returns),
     then buckets over each row's own keys, sorted by their number. Keys are read by whole pages."""
     device = pages.device
     page = allocator.tokens_per_page
+    if decode_kernel.usable(device, allocator.cache_dtype, page):
+        return Decode(query_index=None, kernel=KernelRows(pages.long().contiguous(), torch.tensor(key_lens),
+                                                          torch.tensor(starts_q)))
     num_rows = len(key_lens)
     shared = [0] * num_rows  # pages of a row read through its group's shared prefix
     groups = _shared_groups(pages, key_lens, page) if device.type == "cpu" and num_rows > 1 else []

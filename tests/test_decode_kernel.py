@@ -1,0 +1,105 @@
+"""The paged decode kernel (rollout/engine/decode_kernel.py): every decode row's attention read straight from the
+cache pages, against an fp64 SDPA over the same keys gathered; built once per machine, and absent (never wrong) where
+it cannot be built. The engine's rows through it are checked against a teacher-forced forward in test_attention.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rollout.engine import decode_kernel
+
+needs_kernel = pytest.mark.skipif(decode_kernel.load() is None, reason="no C compiler: the kernel cannot be built")
+
+
+def _case(rows: int, heads: int, kv_heads: int, dim: int, page: int, lens: list[int], seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    num_pages = sum(-(-n // page) for n in lens) + 3
+    keys = torch.randn(num_pages * page, kv_heads, dim, generator=g)
+    values = torch.randn(num_pages * page, kv_heads, dim, generator=g)
+    order = torch.randperm(num_pages, generator=g)  # a row's pages anywhere in the cache, in any order
+    most = max(-(-n // page) for n in lens)
+    table, used = torch.empty(rows, most, dtype=torch.int64), 0
+    for r, n in enumerate(lens):
+        count = -(-n // page)
+        table[r, :count] = order[used: used + count]
+        table[r, count:] = table[r, count - 1]  # a shorter row repeats its last page, as the engine's table does
+        used += count
+    steps = rows + 2  # the step has other tokens too: the decode rows' queries sit at scattered positions
+    query = torch.randn(1, heads, steps, dim, generator=g)  # the model's [1, H, T, D], read as a [T, H, D] view
+    positions = torch.randperm(steps, generator=g)[:rows].contiguous()
+    return keys, values, table, torch.tensor(lens), positions, query[0].transpose(0, 1)
+
+
+def _reference(keys, values, table, lens, positions, q, page, scale):
+    out = []
+    for r, n in enumerate(lens.tolist()):
+        index = (table[r, :, None] * page + torch.arange(page)).flatten()[:n]
+        k, v = keys[index].double().transpose(0, 1), values[index].double().transpose(0, 1)
+        query = q[positions[r]].double()[:, None]  # [H, 1, D]
+        out.append(F.scaled_dot_product_attention(query, k, v, scale=scale, enable_gqa=True)[:, 0])
+    return torch.stack(out)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (8, 4, 64), (8, 2, 40), (4, 1, 16)],
+                         ids=["mha", "gqa-2", "gqa-4-dim-40", "mqa-dim-16"])
+@pytest.mark.parametrize("lens", [[1], [15, 16, 17], [1, 2, 31, 32, 33, 100, 64, 7]], ids=["one-key", "page-edges",
+                                                                                        "ragged"])
+def test_each_row_is_the_fp64_attention_over_its_own_pages(heads, kv_heads, dim, lens):
+    page = 16
+    keys, values, table, lens_t, positions, q = _case(len(lens), heads, kv_heads, dim, page, lens)
+    out = torch.full((q.shape[0], heads, dim), float("nan"))
+    scale = 1 / math.sqrt(dim)
+    assert decode_kernel.paged_decode(q, keys, values, table, lens_t, positions, out, page, None)
+    expected = _reference(keys, values, table, lens_t, positions, q, page, scale)
+    assert (out[positions].double() - expected).abs().max().item() < 2e-6
+    others = torch.ones(q.shape[0], dtype=torch.bool)
+    others[positions] = False
+    assert torch.isnan(out[others]).all()  # the step's other tokens are not the kernel's to write
+
+
+@needs_kernel
+def test_scores_far_apart_and_a_given_scale_stay_exact():
+    page, lens = 4, [9, 30]
+    keys, values, table, lens_t, positions, q = _case(2, 4, 2, 32, page, lens, seed=3)
+    q = q * 40  # peaked softmax: the online max must rescale earlier pages exactly
+    out = torch.empty(q.shape[0], 4, 32)
+    assert decode_kernel.paged_decode(q, keys, values, table, lens_t, positions, out, page, 0.3)
+    expected = _reference(keys, values, table, lens_t, positions, q, page, 0.3)
+    assert (out[positions].double() - expected).abs().max().item() < 1e-5
+
+
+@needs_kernel
+def test_a_layout_past_the_kernels_limits_is_refused_not_computed():
+    keys, values, table, lens, positions, q = _case(1, 4, 4, 16, 16, [5])
+    out = torch.zeros(q.shape[0], 4, 16)
+    assert not decode_kernel.paged_decode(q, keys, values, table.int(), lens, positions, out, 16, None)  # int32 table
+    assert not decode_kernel.paged_decode(q.double(), keys, values, table, lens, positions, out, 16, None)
+    assert not decode_kernel.usable(torch.device("cpu"), torch.float32, decode_kernel.MAX_PAGE + 1)
+    assert not decode_kernel.usable(torch.device("cpu"), torch.bfloat16, 16)
+    assert out.abs().sum() == 0
+
+
+def test_without_a_compiler_there_is_no_kernel_and_a_warning_says_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("ROLLOUT_KERNEL_CACHE", str(tmp_path / "cache"))
+    decode_kernel.load.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="could not be built"):
+            assert decode_kernel.load() is None
+        assert not decode_kernel.usable(torch.device("cpu"), torch.float32, 16)
+    finally:
+        decode_kernel.load.cache_clear()
+
+
+@needs_kernel
+def test_the_kernel_is_built_once_per_machine_and_source(monkeypatch, tmp_path):
+    monkeypatch.setenv("ROLLOUT_KERNEL_CACHE", str(tmp_path))
+    first = decode_kernel._build()
+    stamp = first.stat().st_mtime_ns
+    assert decode_kernel._build() == first and first.stat().st_mtime_ns == stamp  # reused, not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no build leftovers
