@@ -77,13 +77,15 @@ def test_chunked_prefill_decode_and_forks_match_a_plain_forward(tiny, plans, mon
     with RolloutWorker(model, WorkerConfig(max_batch_tokens=16, attn_implementation=NAME)) as worker:
         batch = worker.generate(prompts_of([23, 5, 70, 41]), params)
     assert_exact(model, batch, params)
+    decodes = [p.decode for p in plans if p.decode is not None]
+    if decode_path == "kernel":  # every row of <= 33 query tokens in one kernel call, wherever it sits in the step
+        assert all(d.kernel is not None and not d.buckets for d in decodes)
+        # a chunk continuing a cached prefix: consecutive query tokens over the same pages, one more key each
+        assert any(bool(((k.positions[1:] == k.positions[:-1] + 1) & (k.lens[1:] == k.lens[:-1] + 1)
+                         & (k.lens[:-1] > 16)).any()) for k in (d.kernel for d in decodes))
+        return
     assert any(r.mask is not None for p in plans for r in p.prefill), "no chunk continued a cached prefix"
     assert any(p.decode and p.prefill for p in plans), "decodes never ran next to a prefill chunk"
-    decodes = [p.decode for p in plans if p.decode is not None]
-    if decode_path == "kernel":  # every decode row in one kernel call, in step order, wherever it sits in the step
-        assert all(d.kernel is not None and not d.buckets for d in decodes)
-        assert any(bool((d.kernel.positions != torch.arange(d.num_rows)).any()) for d in decodes)
-        return
     assert any(d.query_index is not None for d in decodes), "decode rows always came in order"
     assert any(len(d.buckets) > 1 for d in decodes)
     prefixes = [d.prefix for d in decodes if d.prefix is not None]
@@ -122,6 +124,9 @@ def test_prefix_cache_hits_match_a_plain_forward(tiny, plans, decode_path):
         batch = worker.generate(prompts, params)  # whole pages of both prompts come from the prefix cache
     assert_exact(model, batch, params)
     first = plans[0]  # the first step resumes each prompt after its cached pages: queries shorter than keys
+    if decode_path == "kernel":  # a few query tokens per prompt: kernel rows, each over the cached pages and more
+        assert not first.prefill and bool((first.decode.kernel.lens > 16).all())
+        return
     assert first.prefill and all(r.mask is not None for r in first.prefill)
     assert all(r.read_index.numel() - (r.query_end - r.query_start) >= 16 for r in first.prefill)
 

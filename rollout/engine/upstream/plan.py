@@ -20,6 +20,10 @@ from .. import decode_kernel
 # to be read straight back from the CPU cache by the SDPA that follows (BUCKET_BYTES).
 CALL_TOKENS = 64
 BUCKET_BYTES = 4 * 2**20
+# Rows of up to this many query tokens run on the paged decode kernel where it runs, one kernel row per query token:
+# a verify row (a next token and up to 32 drafts) or a short prefill chunk then costs what as many decode rows cost,
+# instead of an SDPA call of its own over keys read into the workspace.
+KERNEL_QUERY_TOKENS = 33
 
 
 @dataclass
@@ -132,13 +136,18 @@ def _build_plan(allocator, kwargs) -> Plan:
         return Plan(prefill=[PrefillRow(sq, sq + lq, None, None) for sq, (lq, _) in zip(starts_q, lengths)])
     device = read_index.device
     plan = Plan()
-    decode_rows = [i for i, (lq, _) in enumerate(lengths) if lq == 1]
+    # rows of a few query tokens (speculative verify rows, short prefill chunks) go to the kernel as one decode row
+    # per query token, each over the keys up to its own position (bottom-right causal)
+    most = KERNEL_QUERY_TOKENS if decode_kernel.usable(device, allocator.cache_dtype, allocator.tokens_per_page) else 1
+    decode_rows = [i for i, (lq, _) in enumerate(lengths) if lq <= most]
     if decode_rows:
-        key_lens = [lengths[i][1] for i in decode_rows]
-        pages = _row_pages([starts_k[i] for i in decode_rows], key_lens, read_index, allocator.tokens_per_page)
-        plan.decode = _plan_decode(pages, key_lens, [starts_q[i] for i in decode_rows], allocator)
+        rows = [(starts_q[i] + j, starts_k[i], lengths[i][1] - lengths[i][0] + 1 + j)
+                for i in decode_rows for j in range(lengths[i][0])]  # (query position, first key, keys)
+        key_lens = [keys for _, _, keys in rows]
+        pages = _row_pages([first for _, first, _ in rows], key_lens, read_index, allocator.tokens_per_page)
+        plan.decode = _plan_decode(pages, key_lens, [position for position, _, _ in rows], allocator)
     for i, (lq, lk) in enumerate(lengths):
-        if lq > 1:
+        if lq > most:
             mask = None if lq == lk else bottom_right_causal(lq, lk, device)
             plan.prefill.append(PrefillRow(starts_q[i], starts_q[i] + lq, read_index[starts_k[i]: starts_k[i] + lk],
                                            mask))
