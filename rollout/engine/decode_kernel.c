@@ -3,6 +3,7 @@
    decode_kernel.py, which says why it exists and what it is checked against. */
 #include <math.h>
 #include <pthread.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -55,10 +56,10 @@ static float dot(const float *a, const float *b, int64_t n) {
 
 /* One work item: decode row `row`, KV heads h0..h1-1 (their rep query heads each). A page's keys of every head of the
    item are read together (consecutive bytes of the cache), then its values. */
-static void attend(const Job *j, int64_t row, int64_t h0, int64_t h1) {
+static void attend(const Job *j, int64_t row, int64_t h0, int64_t h1, float *acc, float (*s)[MAX_PAGE]) {
     const int64_t rep = j->rep, d = j->d, dv = j->dv, page = j->page, len = j->lens[row], heads = (h1 - h0) * rep;
     const int64_t token_stride = j->hkv * d, vtoken_stride = j->hkv * dv;
-    float m[MAX_REP], l[MAX_REP], acc[MAX_ACC], s[MAX_REP][MAX_PAGE];
+    float m[MAX_REP], l[MAX_REP];
     const float *qs[MAX_REP];
     for (int64_t i = 0; i < heads; i++) {
         m[i] = -INFINITY;
@@ -101,16 +102,27 @@ static void attend(const Job *j, int64_t row, int64_t h0, int64_t h1) {
     }
 }
 
+/* A thread's scratch (128 KiB) is on the heap, not its stack: the caller's thread may have a small one. */
 static void *run(void *arg) {
     const Job *j = (const Job *)arg;
+    float *acc = malloc(sizeof(float) * MAX_ACC);
+    float (*s)[MAX_PAGE] = malloc(sizeof(float) * MAX_REP * MAX_PAGE);
+    if (acc == NULL || s == NULL) {
+        free(acc);
+        free(s);
+        return (void *)1;
+    }
     for (int64_t w = j->begin; w < j->end; w++) {
         const int64_t row = w / j->groups, g = w % j->groups;
-        attend(j, row, j->hkv * g / j->groups, j->hkv * (g + 1) / j->groups);
+        attend(j, row, j->hkv * g / j->groups, j->hkv * (g + 1) / j->groups, acc, s);
     }
+    free(acc);
+    free(s);
     return NULL;
 }
 
-/* Returns 0, or -1 where a size is past this kernel's limits (the caller then takes its other path). */
+/* Returns 0; -1 where a size is past this kernel's limits (nothing written); -2 where scratch memory could not be had
+   (some rows not written). */
 int paged_decode(const float *q, int64_t q_stride_t, int64_t q_stride_h, const float *k, const float *v,
                  const int64_t *table, int64_t max_pages, const int64_t *lens, const int64_t *qpos, int64_t rows,
                  int64_t hkv, int64_t rep, int64_t d, int64_t dv, int64_t page, float scale, float *out,
@@ -131,11 +143,15 @@ int paged_decode(const float *q, int64_t q_stride_t, int64_t q_stride_h, const f
         jobs[t] = (Job){q, k, v, table, lens, qpos, max_pages, hkv, rep, d, dv, page, q_stride_t, q_stride_h,
                         out_stride_t, out_stride_h, scale, out, groups, work * t / threads, work * (t + 1) / threads};
     }
-    int64_t started = 1;
+    int64_t started = 1, failed = 0;
     for (; started < threads; started++)
         if (pthread_create(&ids[started], NULL, run, &jobs[started]) != 0) break;
-    for (int64_t t = started; t < threads; t++) run(&jobs[t]); /* threads that could not start: run here */
-    run(&jobs[0]);
-    for (int64_t t = 1; t < started; t++) pthread_join(ids[t], NULL);
-    return 0;
+    for (int64_t t = started; t < threads; t++) failed |= run(&jobs[t]) != NULL; /* threads that could not start */
+    failed |= run(&jobs[0]) != NULL;
+    for (int64_t t = 1; t < started; t++) {
+        void *result;
+        pthread_join(ids[t], &result);
+        failed |= result != NULL;
+    }
+    return failed ? -2 : 0;
 }

@@ -104,4 +104,6 @@ def paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tabl
                             table.data_ptr(), table.shape[1], lens.data_ptr(), positions.data_ptr(), table.shape[0],
                             num_kv_heads, q.shape[1] // num_kv_heads, head_dim, values.shape[2], page, scale,
                             out.data_ptr(), out.stride(0), out.stride(1), torch.get_num_threads())
+    if code == -2:
+        raise MemoryError("rollout: the paged decode kernel could not allocate its 128 KiB of scratch per thread")
     return code == 0
