@@ -45,7 +45,8 @@ def load() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(_build()))
     except (OSError, subprocess.SubprocessError, RuntimeError) as error:
         warnings.warn(f"rollout: the paged decode kernel could not be built ({error}); decode attention keeps the "
-                      "workspace path (correct, slower). Fix: install a C compiler (cc/gcc) or set CC.",
+                      "workspace path (correct, slower). Fix: install a C compiler (cc/gcc) or set CC, and let "
+                      "ROLLOUT_KERNEL_CACHE name a writable folder.",
                       RuntimeWarning, stacklevel=2)
         return None
     lib.paged_decode.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
