@@ -138,7 +138,8 @@ def _build_plan(allocator, kwargs) -> Plan:
     plan = Plan()
     # rows of a few query tokens (speculative verify rows, short prefill chunks) go to the kernel as one decode row
     # per query token, each over the keys up to its own position (bottom-right causal)
-    most = KERNEL_QUERY_TOKENS if decode_kernel.usable(device, allocator.cache_dtype, allocator.tokens_per_page) else 1
+    kernel = decode_kernel.usable(device, allocator.cache_dtype, allocator.tokens_per_page)
+    most = KERNEL_QUERY_TOKENS if kernel else 1
     decode_rows = [i for i, (lq, _) in enumerate(lengths) if lq <= most]
     if decode_rows:
         rows = [(starts_q[i] + j, starts_k[i], lengths[i][1] - lengths[i][0] + 1 + j)
@@ -170,8 +171,9 @@ def _plan_block_table(table: torch.Tensor, live: list[int], starts_q: list[int],
 
 def _plan_decode(pages: torch.Tensor, key_lens: list[int], starts_q: list[int], allocator) -> Decode:
     """Decode rows (one query token each) whose keys are in `pages` ([R, most pages], a shorter row repeating its
-    last page): all of them for the paged decode kernel where it runs (fp32 on CPU), else shared prefixes first (CPU only: merging needs the log-sum-exp that the CPU flash kernel returns),
-    then buckets over each row's own keys, sorted by their number. Keys are read by whole pages."""
+    last page): all of them for the paged decode kernel where it runs (fp32 on CPU); else shared prefixes first (CPU
+    only: merging needs the log-sum-exp that the CPU flash kernel returns), then buckets over each row's own keys,
+    sorted by their number. Keys are read by whole pages."""
     device = pages.device
     page = allocator.tokens_per_page
     if decode_kernel.usable(device, allocator.cache_dtype, page):
