@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rollout.engine import decode_kernel
+from rollout.engine import decode_kernel, native
 
 needs_kernel = pytest.mark.skipif(decode_kernel.load() is None, reason="no C compiler: the kernel cannot be built")
 
@@ -88,18 +88,20 @@ def test_without_a_compiler_there_is_no_kernel_and_a_warning_says_why(monkeypatc
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("ROLLOUT_KERNEL_CACHE", str(tmp_path / "cache"))
     decode_kernel.load.cache_clear()
+    native.load.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="could not be built"):
             assert decode_kernel.load() is None
         assert not decode_kernel.usable(torch.device("cpu"), torch.float32, 16)
     finally:
         decode_kernel.load.cache_clear()
+        native.load.cache_clear()
 
 
 @needs_kernel
 def test_the_kernel_is_built_once_per_machine_and_source(monkeypatch, tmp_path):
     monkeypatch.setenv("ROLLOUT_KERNEL_CACHE", str(tmp_path))
-    first = decode_kernel._build()
+    first = native.build("decode_kernel")
     stamp = first.stat().st_mtime_ns
-    assert decode_kernel._build() == first and first.stat().st_mtime_ns == stamp  # reused, not rebuilt
+    assert native.build("decode_kernel") == first and first.stat().st_mtime_ns == stamp  # reused, not rebuilt
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no build leftovers

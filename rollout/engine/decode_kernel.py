@@ -7,31 +7,23 @@ kernel reads every row's keys where they lie, page by page, with an online softm
 max, then exp and the value sum): no copy, no padding, no merge, one call per layer for every decode row of the step.
 Work is split over rows (and a row's KV heads when rows are few) on `torch.get_num_threads()` POSIX threads.
 
-It is C, compiled once per machine on first use with the system's C compiler (`$CC`, else `cc`; ~0.5 s) into
-`$ROLLOUT_KERNEL_CACHE` (default `~/.cache/rollout/kernels`), keyed by the source, the flags and the CPU's feature
-flags (it is built with `-march=native`). No compiler, a failed build or `ROLLOUT_DECODE_KERNEL=0`: `load()` is None and
-the engine keeps its workspace path, same results to fp32 rounding. Exactness: the same fp32 products, summed in
-another order; exp is Cephes' polynomial (within 2 ulp of expf). tests/test_decode_kernel.py checks it against an
-fp64 SDPA over the gathered keys, and the engine's rows against a teacher-forced forward.
+It is C, compiled once per machine on first use (native.py); where it cannot be built, or with
+`ROLLOUT_DECODE_KERNEL=0`, `load()` is None and the engine keeps its workspace path, same results to fp32 rounding.
+Exactness: the same fp32 products, summed in another order; exp is Cephes' polynomial (within 2 ulp of expf).
+tests/test_decode_kernel.py checks it against an fp64 SDPA over the gathered keys, and test_attention.py the engine's
+rows against a teacher-forced forward.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import math
-import os
-import shutil
-import subprocess
-import tempfile
-import warnings
-from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("decode_kernel.c")
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared")
+from . import native
+
 MAX_PAGE = 256  # decode_kernel.c's limits; past them the engine keeps its workspace path
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
@@ -39,49 +31,12 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 @functools.lru_cache(maxsize=1)
 def load() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot be had here (then the engine keeps its workspace path)."""
-    if os.environ.get("ROLLOUT_DECODE_KERNEL", "1") == "0":
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build()))
-    except (OSError, subprocess.SubprocessError, RuntimeError) as error:
-        warnings.warn(f"rollout: the paged decode kernel could not be built ({error}); decode attention keeps the "
-                      "workspace path (correct, slower). Fix: install a C compiler (cc/gcc) or set CC, and let "
-                      "ROLLOUT_KERNEL_CACHE name a writable folder.",
-                      RuntimeWarning, stacklevel=2)
-        return None
-    lib.paged_decode.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
-                                 _I64, ctypes.c_float, _PTR, _I64, _I64, _I64]
-    lib.paged_decode.restype = ctypes.c_int
+    lib = native.load("decode_kernel")
+    if lib is not None:
+        lib.paged_decode.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64,
+                                     _I64, _I64, ctypes.c_float, _PTR, _I64, _I64, _I64]
+        lib.paged_decode.restype = ctypes.c_int
     return lib
-
-
-def _build() -> Path:
-    compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        raise RuntimeError(f"no C compiler {compiler!r} on PATH")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(FLAGS).encode() + compiler.encode() + _cpu_flags().encode()).hexdigest()
-    root = Path(os.environ.get("ROLLOUT_KERNEL_CACHE") or Path.home() / ".cache" / "rollout" / "kernels")
-    target = root / f"decode_kernel-{key[:16]}.so"
-    if target.exists():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root) as scratch:  # built aside, then renamed: concurrent builders are safe
-        built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lpthread", "-lm"],
-                                capture_output=True, text=True, timeout=120)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-400:]}")
-        os.replace(built, target)
-    return target
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next((line for line in info if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""
 
 
 def usable(device: torch.device, dtype: torch.dtype, page: int) -> bool:
