@@ -46,7 +46,8 @@ def build(name: str) -> Path:
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler {compiler!r} on PATH")
     code = source(name).read_bytes()
-    key = hashlib.sha256(code + " ".join(FLAGS).encode() + compiler.encode() + _cpu_flags().encode()).hexdigest()
+    machine = cpuinfo("flags", "Features")  # -march=native: a build runs on CPUs with these features
+    key = hashlib.sha256(code + " ".join(FLAGS).encode() + compiler.encode() + machine.encode()).hexdigest()
     root = Path(os.environ.get("ROLLOUT_KERNEL_CACHE") or Path.home() / ".cache" / "rollout" / "kernels")
     target = root / f"{name}-{key[:16]}.so"
     if target.exists():
@@ -62,9 +63,14 @@ def build(name: str) -> Path:
     return target
 
 
-def _cpu_flags() -> str:
+def cpuinfo(*keys: str) -> str:
+    """The value of the first /proc/cpuinfo line whose key is one of `keys` ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as info:
-            return next((line for line in info if line.startswith(("flags", "Features"))), "")
+            for line in info:
+                key, _, value = line.partition(":")
+                if key.strip() in keys:
+                    return value.strip()
     except OSError:
-        return ""
+        pass
+    return ""

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from . import native
+
 
 def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -108,14 +110,7 @@ def slow_blas() -> bool:
 
 def cpu_vendor() -> str:
     """/proc/cpuinfo's vendor_id ("" where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return native.cpuinfo("vendor_id")
 
 
 def _has_fp32_linear(model: torch.nn.Module) -> bool:

@@ -146,7 +146,7 @@ def _build_plan(allocator, kwargs) -> Plan:
                 for i in decode_rows for j in range(lengths[i][0])]  # (query position, first key, keys)
         key_lens = [keys for _, _, keys in rows]
         pages = _row_pages([first for _, first, _ in rows], key_lens, read_index, allocator.tokens_per_page)
-        plan.decode = _plan_decode(pages, key_lens, [position for position, _, _ in rows], allocator)
+        plan.decode = _plan_decode(pages, key_lens, [position for position, _, _ in rows], allocator, kernel)
     for i, (lq, lk) in enumerate(lengths):
         if lq > most:
             mask = None if lq == lk else bottom_right_causal(lq, lk, device)
@@ -166,17 +166,18 @@ def _plan_block_table(table: torch.Tensor, live: list[int], starts_q: list[int],
     pages = table[torch.tensor(live, device=device), : cols.shape[1]].long().gather(1, cols)  # [R, most pages]
     last = torch.tensor(key_lens, device=device) - 1
     write = pages.gather(1, (last // page)[:, None]).squeeze(1) * page + last % page
-    return Plan(decode=_plan_decode(pages, key_lens, starts_q, allocator), write_index=write)
+    kernel = decode_kernel.usable(device, allocator.cache_dtype, page)
+    return Plan(decode=_plan_decode(pages, key_lens, starts_q, allocator, kernel), write_index=write)
 
 
-def _plan_decode(pages: torch.Tensor, key_lens: list[int], starts_q: list[int], allocator) -> Decode:
+def _plan_decode(pages: torch.Tensor, key_lens: list[int], starts_q: list[int], allocator, kernel: bool) -> Decode:
     """Decode rows (one query token each) whose keys are in `pages` ([R, most pages], a shorter row repeating its
-    last page): all of them for the paged decode kernel where it runs (fp32 on CPU); else shared prefixes first (CPU
-    only: merging needs the log-sum-exp that the CPU flash kernel returns), then buckets over each row's own keys,
-    sorted by their number. Keys are read by whole pages."""
+    last page): all of them for the paged decode kernel if `kernel` (it runs: fp32 on CPU); else shared prefixes
+    first (CPU only: merging needs the log-sum-exp that the CPU flash kernel returns), then buckets over each row's own
+    keys, sorted by their number. Keys are read by whole pages."""
     device = pages.device
     page = allocator.tokens_per_page
-    if decode_kernel.usable(device, allocator.cache_dtype, page):
+    if kernel:
         return Decode(query_index=None, kernel=KernelRows(pages.long().contiguous(), torch.tensor(key_lens),
                                                           torch.tensor(starts_q)))
     num_rows = len(key_lens)
