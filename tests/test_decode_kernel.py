@@ -105,3 +105,27 @@ def test_the_kernel_is_built_once_per_machine_and_source(monkeypatch, tmp_path):
     stamp = first.stat().st_mtime_ns
     assert native.build("decode_kernel") == first and first.stat().st_mtime_ns == stamp  # reused, not rebuilt
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no build leftovers
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_heads,dim,dv", [(4, 64, 64), (1, 16, 16), (2, 40, 24)], ids=["mha", "mqa", "dv-apart"])
+def test_the_kv_write_is_the_allocators_index_copy_bit_for_bit(kv_heads, dim, dv):
+    g = torch.Generator().manual_seed(kv_heads)
+    keys, values = torch.randn(50, kv_heads, dim, generator=g), torch.randn(50, kv_heads, dv, generator=g)
+    k = torch.randn(1, kv_heads, 7, dim, generator=g)[0].transpose(0, 1)  # the model's [1, Hkv, T, D] as [T, Hkv, D]
+    v = torch.randn(1, kv_heads, 7, dv, generator=g)[0].transpose(0, 1)
+    index = torch.tensor([49, 0, 3, 17, 18, 31, 32])  # both ends of the cache, and page edges of 16
+    want_k, want_v = keys.clone().index_copy_(0, index, k), values.clone().index_copy_(0, index, v)
+    assert decode_kernel.paged_write(k, v, keys, values, index)
+    assert torch.equal(keys, want_k) and torch.equal(values, want_v)
+    assert decode_kernel.paged_write(k[:0], v[:0], keys, values, index[:0])  # a step with no tokens of this layer
+
+
+@needs_kernel
+def test_a_kv_write_outside_the_cache_raises_and_writes_nothing():
+    keys, values = torch.zeros(8, 2, 16), torch.zeros(8, 2, 16)
+    k = v = torch.ones(2, 2, 16)
+    with pytest.raises(IndexError, match="outside the cache's 8 rows"):
+        decode_kernel.paged_write(k, v, keys, values, torch.tensor([3, 8]))
+    assert not keys.any() and not values.any()
+    assert not decode_kernel.paged_write(k.double(), v.double(), keys.double(), values.double(), torch.tensor([0, 1]))

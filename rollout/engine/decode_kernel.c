@@ -155,3 +155,22 @@ int paged_decode(const float *q, int64_t q_stride_t, int64_t q_stride_h, const f
     }
     return failed ? -2 : 0;
 }
+
+/* The step's new keys and values ([tokens, Hkv, D], any token and head strides, last dim contiguous) copied into cache
+   rows write[t] of keys / values ([cache rows, Hkv, D], contiguous), a head's D floats at a time. Returns 0; -1 where an
+   index is outside the cache (nothing written). torch's index_copy_ goes element by element through strided views: 0.5
+   ms a layer at 128 rows of the 25M model, against a few microseconds here. */
+int paged_write(const float *k, int64_t k_stride_t, int64_t k_stride_h, const float *v, int64_t v_stride_t,
+                int64_t v_stride_h, float *keys, float *values, const int64_t *write, int64_t tokens, int64_t hkv,
+                int64_t d, int64_t dv, int64_t cache_rows) {
+    for (int64_t t = 0; t < tokens; t++)
+        if (write[t] < 0 || write[t] >= cache_rows) return -1;
+    for (int64_t t = 0; t < tokens; t++) {
+        float *kr = keys + write[t] * hkv * d, *vr = values + write[t] * hkv * dv;
+        for (int64_t h = 0; h < hkv; h++) {
+            memcpy(kr + h * d, k + t * k_stride_t + h * k_stride_h, sizeof(float) * d);
+            memcpy(vr + h * dv, v + t * v_stride_t + h * v_stride_h, sizeof(float) * dv);
+        }
+    }
+    return 0;
+}

@@ -36,6 +36,8 @@ def load() -> ctypes.CDLL | None:
         lib.paged_decode.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64,
                                      _I64, _I64, ctypes.c_float, _PTR, _I64, _I64, _I64]
         lib.paged_decode.restype = ctypes.c_int
+        lib.paged_write.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64]
+        lib.paged_write.restype = ctypes.c_int
     return lib
 
 
@@ -63,3 +65,22 @@ def paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tabl
     if code == -2:
         raise MemoryError("rollout: the paged decode kernel could not allocate its 128 KiB of scratch per thread")
     return code == 0
+
+
+def paged_write(k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor) -> bool:
+    """keys[index[t]] = k[t] and values[index[t]] = v[t]: the step's new KV ([T, Hkv, D], last dim contiguous) into the
+    cache's token rows ([cache rows, Hkv, D], contiguous), the same copy as the allocator's index_copy_. False where the
+    kernel does not take these tensors (nothing written); IndexError where an index is outside the cache."""
+    lib = load()
+    if lib is None or k.device.type != "cpu" or keys.device.type != "cpu" or k.dtype != torch.float32 or v.dtype != torch.float32 or k.stride(-1) != 1 or \
+            v.stride(-1) != 1 or keys.dtype != torch.float32 or values.dtype != torch.float32 or \
+            not (keys.is_contiguous() and values.is_contiguous()) or index.dtype != torch.int64 or \
+            not index.is_contiguous() or k.shape[0] != index.numel() or v.shape[0] != index.numel() or \
+            k.shape[1:] != keys.shape[1:] or v.shape[1:] != values.shape[1:] or keys.shape[0] != values.shape[0]:
+        return False
+    code = lib.paged_write(k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
+                           keys.data_ptr(), values.data_ptr(), index.data_ptr(), index.numel(), keys.shape[1],
+                           keys.shape[2], values.shape[2], keys.shape[0])
+    if code == -1:
+        raise IndexError(f"rollout: a KV write index is outside the cache's {keys.shape[0]} rows")
+    return True

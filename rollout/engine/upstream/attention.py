@@ -68,8 +68,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     # write the step's new KV ([T, Hkv, D]); an empty read index makes the allocator skip its read-back
     k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)
     write = kwargs["write_index"][allocator.index] if plan.write_index is None else plan.write_index
-    allocator.update(k_new, v_new, layer, write[:0], write)
     read = _Reader(cache, allocator, layer)
+    if not decode_kernel.paged_write(k_new, v_new, read.keys, read.values, write):
+        allocator.update(k_new, v_new, layer, write[:0], write)
     if plan.decode is not None:
         _decode(plan.decode, read, q, out, scaling)
     gqa = q.shape[1] != k_new.shape[1]
