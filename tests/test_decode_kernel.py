@@ -111,7 +111,8 @@ def test_the_kernel_is_built_once_per_machine_and_source(monkeypatch, tmp_path):
 @pytest.mark.parametrize("kv_heads,dim,dv", [(4, 64, 64), (1, 16, 16), (2, 40, 24)], ids=["mha", "mqa", "dv-apart"])
 def test_the_kv_write_is_the_allocators_index_copy_bit_for_bit(kv_heads, dim, dv):
     g = torch.Generator().manual_seed(kv_heads)
-    keys, values = torch.randn(50, kv_heads, dim, generator=g), torch.randn(50, kv_heads, dv, generator=g)
+    # a layer's key view of the cache runs one page past its value view (full_attention.py's shifted views)
+    keys, values = torch.randn(66, kv_heads, dim, generator=g), torch.randn(50, kv_heads, dv, generator=g)
     k = torch.randn(1, kv_heads, 7, dim, generator=g)[0].transpose(0, 1)  # the model's [1, Hkv, T, D] as [T, Hkv, D]
     v = torch.randn(1, kv_heads, 7, dv, generator=g)[0].transpose(0, 1)
     index = torch.tensor([49, 0, 3, 17, 18, 31, 32])  # both ends of the cache, and page edges of 16
@@ -123,7 +124,7 @@ def test_the_kv_write_is_the_allocators_index_copy_bit_for_bit(kv_heads, dim, dv
 
 @needs_kernel
 def test_a_kv_write_outside_the_cache_raises_and_writes_nothing():
-    keys, values = torch.zeros(8, 2, 16), torch.zeros(8, 2, 16)
+    keys, values = torch.zeros(12, 2, 16), torch.zeros(8, 2, 16)
     k = v = torch.ones(2, 2, 16)
     with pytest.raises(IndexError, match="outside the cache's 8 rows"):
         decode_kernel.paged_write(k, v, keys, values, torch.tensor([3, 8]))

@@ -76,11 +76,12 @@ def paged_write(k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: to
             v.stride(-1) != 1 or keys.dtype != torch.float32 or values.dtype != torch.float32 or \
             not (keys.is_contiguous() and values.is_contiguous()) or index.dtype != torch.int64 or \
             not index.is_contiguous() or k.shape[0] != index.numel() or v.shape[0] != index.numel() or \
-            k.shape[1:] != keys.shape[1:] or v.shape[1:] != values.shape[1:] or keys.shape[0] != values.shape[0]:
+            k.shape[1:] != keys.shape[1:] or v.shape[1:] != values.shape[1:]:
         return False
+    rows = min(keys.shape[0], values.shape[0])  # a layer's key view runs one page past its value view
     code = lib.paged_write(k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
                            keys.data_ptr(), values.data_ptr(), index.data_ptr(), index.numel(), keys.shape[1],
-                           keys.shape[2], values.shape[2], keys.shape[0])
+                           keys.shape[2], values.shape[2], rows)
     if code == -1:
-        raise IndexError(f"rollout: a KV write index is outside the cache's {keys.shape[0]} rows")
+        raise IndexError(f"rollout: a KV write index is outside the cache's {rows} rows")
     return True
