@@ -38,7 +38,7 @@ from ..base.config import WorkerConfig, check_in_flight
 from ..base.errors import invalid
 from ..base.params import SamplingParams
 from ..moe import Routing, find_routers
-from . import cuda, onednn, sizing
+from . import cuda, elementwise, onednn, sizing
 from .call import Call, Sample
 from .counters import Counters
 from .driver import EpisodeDriver
@@ -129,6 +129,8 @@ class Engine:
         verifier = self._speculator.verifier() if self._speculator is not None else None
         row_args = RowSlotArgs(table, graphs, verifier)
         row_args.linears = onednn.OneDNNLinears() if self.linears == "onednn" else None
+        cpu = self.model.device.type == "cpu"
+        row_args.fused = elementwise.Fused() if cpu and elementwise.install(self.model) else None
         manager = RolloutManager(self.model, gen_config, cb_config, row_args, hooks)
         self.max_request_tokens = manager.max_request_tokens
         self.model.train(was_training)

@@ -27,12 +27,12 @@ def source(name: str) -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def load(name: str) -> ctypes.CDLL | None:
-    """The built library of `name`.c, or None where it cannot be had here."""
+def load(name: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The built library of `name`.c (with `flags` past FLAGS), or None where it cannot be had here."""
     if os.environ.get(f"ROLLOUT_{name.upper()}", "1") == "0":
         return None
     try:
-        return ctypes.CDLL(str(build(name)))
+        return ctypes.CDLL(str(build(name, flags)))
     except (OSError, subprocess.SubprocessError, RuntimeError) as error:
         warnings.warn(f"rollout: the native kernel {name!r} could not be built ({error}); the engine keeps its torch "
                       "path (correct, slower). Fix: install a C compiler (cc/gcc) or set CC, and let "
@@ -40,14 +40,15 @@ def load(name: str) -> ctypes.CDLL | None:
         return None
 
 
-def build(name: str) -> Path:
+def build(name: str, flags: tuple[str, ...] = ()) -> Path:
     """The shared library of `name`.c for this machine, compiled if it is not in the cache yet."""
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler {compiler!r} on PATH")
     code = source(name).read_bytes()
     machine = cpuinfo("flags", "Features")  # -march=native: a build runs on CPUs with these features
-    key = hashlib.sha256(code + " ".join(FLAGS).encode() + compiler.encode() + machine.encode()).hexdigest()
+    flags = FLAGS + tuple(flags)
+    key = hashlib.sha256(code + " ".join(flags).encode() + compiler.encode() + machine.encode()).hexdigest()
     root = Path(os.environ.get("ROLLOUT_KERNEL_CACHE") or Path.home() / ".cache" / "rollout" / "kernels")
     target = root / f"{name}-{key[:16]}.so"
     if target.exists():
@@ -55,7 +56,7 @@ def build(name: str) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root) as scratch:  # built aside, then renamed: concurrent builders are safe
         built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(source(name)), "-lpthread", "-lm"],
+        result = subprocess.run([compiler, *flags, "-o", str(built), str(source(name)), "-lpthread", "-lm"],
                                 capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-400:]}")

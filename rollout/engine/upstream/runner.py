@@ -6,7 +6,8 @@ the engine survives on its own) and both logprobs come from the one pass:
   input tensor: while the step's inputs are prepared, each sampling row's slot in the `SlotTable` (slots.py) is
   written there, and travels to the device with the other inputs.
 - `RolloutModelRunner._forward_process_and_sample`: the forward (its fp32 linears on oneDNN when the worker chose
-  so: `RowSlotArgs.linears`, a thread-local TorchFunctionMode, onednn.py), then `sampler.sample_rows` on the rows'
+  so: `RowSlotArgs.linears`, a thread-local TorchFunctionMode, onednn.py; its RMSNorms and rotary embeddings fused,
+  bit for bit torch's: `RowSlotArgs.fused`, elementwise.py), then `sampler.sample_rows` on the rows'
   parameters (gathered from the table by slot) and random counters (their positions); it writes the token, its
   full-vocabulary logprob and its sampling logprob into three rows of the step's output tensor, and, on a step where
   some row asks for top logprobs, the top ids and logprobs into the rows after them (`TOP_IDS`, `TOP_VALUES`). Device
@@ -33,6 +34,7 @@ from transformers.generation.continuous_batching.utils import CudaGraphBuffer
 from transformers.generation.logits_process import LogitsProcessorList
 
 from ...base.params import MAX_TOP_LOGPROBS
+from ..elementwise import Fused
 from ..sampler import ALL, sample_rows
 from ..slots import SlotTable
 from .verify import Verifier
@@ -57,6 +59,7 @@ class RowSlotArgs(ContinuousBatchingLogitsProcessorList):
         self.passes = ALL  # this step's sampler passes, read by the runner's forward
         self.verifier = verifier  # speculative decoding (verify.py); None: every row samples one position
         self.linears: TorchFunctionMode | None = None  # the forward's linears on oneDNN (onednn.py), or None
+        self.fused: Fused | None = None  # the forward's RMSNorms and rotary embeddings fused (elementwise.py), or None
 
     def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
         int32_tensor.fill_(0)  # the table's default row
@@ -99,7 +102,8 @@ class RolloutModelRunner(ModelRunner):
             indices, slots = plan.indices, plan.slots
             if "logits_to_keep" in batch_data:
                 batch_data["logits_to_keep"] = indices
-        with args.linears or nullcontext():  # the linears on oneDNN where chosen (onednn.py)
+        # the linears on oneDNN where chosen (onednn.py), norms and rotary fused where the model has Llama's
+        with args.linears or nullcontext(), args.fused or nullcontext():
             logits = model(**batch_data).logits  # [1, num_tokens or num_logits, V]
         if "logits_to_keep" not in batch_data:
             logits = logits[:, indices, :]
