@@ -12,7 +12,7 @@ from transformers.models.llama import modeling_llama
 from transformers.models.qwen2 import modeling_qwen2
 
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
-from rollout.engine import elementwise
+from rollout.engine import elementwise, onednn
 from rollout.testing import load_tiny_model
 
 needs_kernel = pytest.mark.skipif(elementwise.load() is None, reason="no C compiler, or not torch's bits here")
@@ -116,3 +116,16 @@ def test_the_engines_rows_are_the_same_bits_with_and_without_fusion(tiny_path, m
     assert {"rms_norm", "rotary"} <= set(calls) and fused_calls == all_calls > 0  # fused, then not
     assert fused.completion_token_lists() == plain.completion_token_lists()
     assert torch.equal(fused.logprobs, plain.logprobs)
+
+
+@needs_kernel
+def test_a_trainer_compiling_the_shared_model_traces_through_the_patches_in_one_graph(tiny):
+    model, _ = tiny
+    with onednn.OneDNNLinears():  # patches nn.Linear.forward
+        pass
+    assert elementwise.install(model) and hasattr(torch.nn.Linear.forward, "__wrapped__")
+    ids = torch.tensor([[5, 9, 300, 41, 7]])
+    with torch.no_grad():
+        want = model(ids).logits
+        got = torch.compile(model, backend="eager", fullgraph=True)(ids).logits  # fullgraph: a break raises
+    assert torch.equal(want, got)

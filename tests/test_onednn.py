@@ -73,15 +73,18 @@ def test_the_private_op_is_f_linear_of_the_live_weight():
 
 
 def test_only_fp32_linears_without_autograd_go_to_onednn(spy):
-    weight = torch.randn(8, 4, requires_grad=True)
+    layer = torch.nn.Linear(4, 8)
     x = torch.randn(2, 4)
     with onednn.OneDNNLinears():
-        y = F.linear(x, weight)  # autograd needs torch's own linear
+        y = layer(x)  # autograd needs torch's own linear
         assert y.requires_grad and not spy
         with torch.no_grad():
-            F.linear(x.double(), weight.double())
+            layer.double()(x.double())
             assert not spy
-            F.linear(x, weight)
+            layer.float()(x)
+            F.linear(x, layer.weight)  # outside an nn.Linear: torch's
+    with torch.no_grad():
+        layer(x)  # outside the context: torch's
     assert sum(spy.values()) == 1
 
 
@@ -99,10 +102,11 @@ def test_a_bucketed_linear_is_each_rows_own_product_at_a_bucketed_row_count(monk
     original = onednn._linear
     monkeypatch.setattr(onednn, "_linear", lambda x, w, b: seen.append(x.shape[0]) or original(x, w, b))
     g = torch.Generator().manual_seed(rows)
-    weight, bias = torch.randn(48, 64, generator=g) * 0.02, torch.randn(48, generator=g)
+    layer = torch.nn.Linear(64, 48).requires_grad_(False)
+    weight, bias = layer.weight.normal_(0, 0.02, generator=g), layer.bias.normal_(generator=g)
     x = torch.randn(1, rows, 64, generator=g)
     with onednn.OneDNNLinears():
-        y = F.linear(x, weight, bias)
+        y = layer(x)
     assert y.shape == (1, rows, 48) and y.is_contiguous()
     expected = x.double() @ weight.double().T + bias.double()
     assert (y.double() - expected).abs().max().item() < 1e-6

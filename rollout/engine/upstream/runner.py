@@ -6,7 +6,7 @@ the engine survives on its own) and both logprobs come from the one pass:
   input tensor: while the step's inputs are prepared, each sampling row's slot in the `SlotTable` (slots.py) is
   written there, and travels to the device with the other inputs.
 - `RolloutModelRunner._forward_process_and_sample`: the forward (its fp32 linears on oneDNN when the worker chose
-  so: `RowSlotArgs.linears`, a thread-local TorchFunctionMode, onednn.py; its RMSNorms and rotary embeddings fused,
+  so: `RowSlotArgs.linears`, a thread-local switch, onednn.py; its RMSNorms and rotary embeddings fused,
   bit for bit torch's: `RowSlotArgs.fused`, elementwise.py), then `sampler.sample_rows` on the rows'
   parameters (gathered from the table by slot) and random counters (their positions); it writes the token, its
   full-vocabulary logprob and its sampling logprob into three rows of the step's output tensor, and, on a step where
@@ -25,7 +25,6 @@ from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
-from torch.overrides import TorchFunctionMode
 from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessorList
 from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
 from transformers.generation.continuous_batching.model_runner import ModelRunner
@@ -35,6 +34,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 
 from ...base.params import MAX_TOP_LOGPROBS
 from ..elementwise import Fused
+from ..onednn import OneDNNLinears
 from ..sampler import ALL, sample_rows
 from ..slots import SlotTable
 from .verify import Verifier
@@ -58,7 +58,7 @@ class RowSlotArgs(ContinuousBatchingLogitsProcessorList):
         self.all_passes = all_passes  # a captured step replays one path: it must be the full one
         self.passes = ALL  # this step's sampler passes, read by the runner's forward
         self.verifier = verifier  # speculative decoding (verify.py); None: every row samples one position
-        self.linears: TorchFunctionMode | None = None  # the forward's linears on oneDNN (onednn.py), or None
+        self.linears: OneDNNLinears | None = None  # the forward's linears on oneDNN (onednn.py), or None
         self.fused: Fused | None = None  # the forward's RMSNorms and rotary embeddings fused (elementwise.py), or None
 
     def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
