@@ -165,3 +165,50 @@ def test_weights_changed_in_place_are_what_the_next_call_computes(normal_path):
         batch = worker.generate(prompts, params)
     gaps = _gaps(model, batch, 1.0)
     assert gaps.max().item() <= 1e-5 and gaps.mean().item() <= 1e-6, (gaps.max().item(), gaps.mean().item())
+
+
+def test_a_packed_weight_gives_the_live_weights_product_and_follows_every_kind_of_write():
+    g = torch.Generator().manual_seed(4)
+    weight = torch.randn(96, 64, generator=g) * 0.02
+    x = torch.randn(16, 64, generator=g)
+    first = onednn.packed(weight)
+    assert first.is_mkldnn and onednn.packed(weight) is first  # packed once, then reused
+    for rows in (2, 4, 16):  # from 2 rows up, the same bits as oneDNN on the live weight
+        assert torch.equal(onednn._linear(x[:rows], first, None), onednn._linear(x[:rows], weight, None))
+    one = onednn._linear(x[:1], first, None).double()  # 1 row: another kernel, the same product to fp32 rounding
+    assert (one - x[:1].double() @ weight.double().T).abs().max().item() < 1e-6
+
+    def now(w):
+        return x.double() @ w.double().T
+
+    weight.add_(1.0)  # in place: the version counter moves
+    assert (onednn._linear(x, onednn.packed(weight), None).double() - now(weight)).abs().max().item() < 1e-5
+    weight.data.mul_(-1.0)  # through .data (as PEFT's merge, fused optimizers): the counter stays
+    stale = onednn.packed(weight)
+    assert not onednn.check_packs()  # a sampled element differs: everything is packed again
+    assert onednn.packed(weight) is not stale
+    assert (onednn._linear(x, onednn.packed(weight), None).double() - now(weight)).abs().max().item() < 1e-5
+    assert onednn.check_packs()
+    weight.data[0, 1] += 1.0  # an element no probe looks at: the worker's refresh says so instead
+    onednn.weights_changed()
+    assert (onednn._linear(x, onednn.packed(weight), None).double() - now(weight)).abs().max().item() < 1e-5
+    onednn.forget([weight])
+    assert onednn.packed(weight) is not None and id(weight) in onednn._packs
+    del weight, stale, first
+    assert not [e for e in onednn._packs.values() if e.weight() is None]  # a weight's copy dies with it
+
+
+def test_a_fused_optimizer_step_and_a_refresh_reach_the_packed_linears(normal_path):
+    model, _ = load_tiny_model(normal_path)
+    prompts = _prompts(model.config.vocab_size)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=3)
+    with RolloutWorker(model, WorkerConfig(cpu_linear="onednn")) as worker:
+        worker.generate(prompts, params)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)  # leaves version counters alone
+        model(torch.tensor([prompts[-1]]), labels=torch.tensor([prompts[-1]])).loss.backward()
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+        worker.refresh()
+        batch = worker.generate(prompts, params)
+    gaps = _gaps(model, batch, 1.0)
+    assert gaps.max().item() <= 1e-5 and gaps.mean().item() <= 1e-6, (gaps.max().item(), gaps.mean().item())

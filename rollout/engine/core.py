@@ -187,6 +187,7 @@ class Engine:
                 manager, self._manager = self._manager, None
             if manager is not None:
                 manager.stop(block=True, timeout=30)  # joins the thread, drops the batch processor
+                onednn.forget(self.model.parameters())  # packed weights go back too
                 self.counters.slept()
                 del manager
                 self._stop_recording()
@@ -207,6 +208,11 @@ class Engine:
             self._manager = self._build_manager()
             self._pause_loop()
 
+    def weights_changed(self) -> None:
+        """The model's weights were written in place (an update, a refresh, an adapter merge or unmerge): what the
+        engine keeps derived from them (oneDNN's packed copies) is rebuilt at its next use."""
+        onednn.weights_changed()
+
     def close(self) -> None:
         with self._cond:
             self._closed = True
@@ -218,6 +224,7 @@ class Engine:
         manager, self._manager = self._manager, None
         if manager is not None and manager.has_thread():
             manager.stop(block=True, timeout=30)
+        onednn.forget(self.model.parameters())
         self._stop_recording()
 
     def _restart(self) -> None:
@@ -384,6 +391,8 @@ class Engine:
         with self._cond:
             self._cond.wait_for(lambda: not self._updating)
             self._wake_locked()  # a sleeping engine wakes for work
+            if self.linears == "onednn":
+                onednn.check_packs()  # weights changed without a refresh are packed again
             if call.index is None:
                 call.index = next(self._call_index)
             self._calls.append(call)

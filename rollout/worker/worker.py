@@ -233,12 +233,14 @@ class RolloutWorker:
             with contextlib.ExitStack() as stack:
                 self._merged = stack.enter_context(adapters.merged(self.model))
                 self._merge = stack.pop_all()
+            self.engine.weights_changed()
 
     def _unmerge_adapters(self) -> bool:
         """Base weights back to their exact bytes; True when adapters were merged (to merge again after)."""
         merge, self._merge, self._merged = self._merge, None, None
         if merge is not None:
             merge.close()
+            self.engine.weights_changed()
         return merge is not None
 
     # ------------------------------------------------------------------ weights
@@ -312,6 +314,7 @@ class RolloutWorker:
             return bump()
 
     def _bump(self, version: int | None) -> int:
+        self.engine.weights_changed()
         self.engine.version = self.engine.version + 1 if version is None else version
         return self.engine.version
 
