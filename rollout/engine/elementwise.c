@@ -9,7 +9,8 @@
 #include <string.h>
 
 #define MAX_THREADS 64
-#define FLOATS_PER_THREAD 65536 /* less work than this a thread runs on the caller's: starting one costs ~20 us */
+#define FLOATS_PER_THREAD (1 << 20) /* less work than this a thread runs on the caller's: starting and joining one costs
+                                       ~45 us here, a thread norms ~7 floats a nanosecond */
 
 /* torch's sum of x[e]^2 over one contiguous row of n floats, as its CPU kernel computes it
    (aten/src/ATen/native/cpu/SumKernel.cpp, vectorized_inner_sum over pow(2)'s output): LANES-wide vectors summed by
