@@ -167,6 +167,19 @@ def test_weights_changed_in_place_are_what_the_next_call_computes(normal_path):
     assert gaps.max().item() <= 1e-5 and gaps.mean().item() <= 1e-6, (gaps.max().item(), gaps.mean().item())
 
 
+def test_a_forward_patched_before_the_worker_is_kept_and_the_engine_still_gets_onednn(monkeypatch, spy):
+    seen = []
+    before = torch.nn.Linear.forward
+    monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, x: seen.append(1) or before(self, x))  # a profiler
+    onednn.install()
+    layer, x = torch.nn.Linear(4, 8).requires_grad_(False), torch.randn(2, 4)
+    layer(x)
+    assert seen == [1] and not spy  # outside the engine: the forward that was there
+    with onednn.OneDNNLinears():
+        layer(x)
+    assert seen == [1] and sum(spy.values()) == 1
+
+
 def test_a_packed_weight_gives_the_live_weights_product_and_follows_every_kind_of_write():
     g = torch.Generator().manual_seed(4)
     weight = torch.randn(96, 64, generator=g) * 0.02

@@ -101,6 +101,8 @@ class Engine:
         self._speculator = Speculator.of(self.config, self._draftable, self._drafted)  # None: speculation off
         # the kernels of the forward's fp32 linears, named as in WorkerConfig.cpu_linear (onednn.py), chosen once
         self.linears = "onednn" if onednn.choose(self.config.cpu_linear, self.model) else "blas"
+        if self.linears == "onednn":
+            onednn.install()
         self._manager = self._build_manager()
         self._supervisor = threading.Thread(target=self._supervise, daemon=True, name="rollout-supervisor")
         self._supervisor.start()

@@ -83,7 +83,7 @@ class OneDNNLinears:
     trainer's linears one flag read, and takes torch's own path while torch.compile traces."""
 
     def __enter__(self) -> "OneDNNLinears":
-        _install()
+        install()
         _local.on = True
         return self
 
@@ -93,21 +93,24 @@ class OneDNNLinears:
 
 _local = threading.local()
 _install_lock = threading.Lock()
-_torch_linear_forward = torch.nn.Linear.forward
 
 
-def _install() -> None:
+def install() -> None:
+    """Patches `nn.Linear.forward` once: on a thread inside `OneDNNLinears`, eligible linears go to oneDNN; everything
+    else calls the forward that was there before (torch's, or whatever a profiler or library put there first)."""
     with _install_lock:
-        if torch.nn.Linear.forward is not _torch_linear_forward:
+        before = torch.nn.Linear.forward
+        if getattr(before, "rollout_onednn", False):
             return
 
         def forward(self, input: torch.Tensor) -> torch.Tensor:
             if not torch.compiler.is_compiling() and getattr(_local, "on", False) and \
                     _eligible(input, self.weight, self.bias):
                 return _bucketed_linear(input, packed(self.weight), self.bias)
-            return _torch_linear_forward(self, input)
+            return before(self, input)
 
-        forward.__wrapped__ = _torch_linear_forward
+        forward.rollout_onednn = True
+        forward.__wrapped__ = before
         torch.nn.Linear.forward = forward
 
 
