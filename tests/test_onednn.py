@@ -171,6 +171,7 @@ def test_a_forward_patched_before_the_worker_is_kept_and_the_engine_still_gets_o
     seen = []
     before = torch.nn.Linear.forward
     monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, x: seen.append(1) or before(self, x))  # a profiler
+    monkeypatch.setattr(onednn, "_installed", [False])  # as in a process where the worker comes after the profiler
     onednn.install()
     layer, x = torch.nn.Linear(4, 8).requires_grad_(False), torch.randn(2, 4)
     layer(x)

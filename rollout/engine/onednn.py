@@ -93,15 +93,16 @@ class OneDNNLinears:
 
 _local = threading.local()
 _install_lock = threading.Lock()
+_installed = [False]
 
 
 def install() -> None:
     """Patches `nn.Linear.forward` once: on a thread inside `OneDNNLinears`, eligible linears go to oneDNN; everything
     else calls the forward that was there before (torch's, or whatever a profiler or library put there first)."""
     with _install_lock:
-        before = torch.nn.Linear.forward
-        if getattr(before, "rollout_onednn", False):
+        if _installed[0]:  # once: a wrapper put over ours later (a profiler's timer) stays on top
             return
+        before = torch.nn.Linear.forward
 
         def forward(self, input: torch.Tensor) -> torch.Tensor:
             if not torch.compiler.is_compiling() and getattr(_local, "on", False) and \
@@ -109,9 +110,9 @@ def install() -> None:
                 return _bucketed_linear(input, packed(self.weight), self.bias)
             return before(self, input)
 
-        forward.rollout_onednn = True
         forward.__wrapped__ = before
         torch.nn.Linear.forward = forward
+        _installed[0] = True
 
 
 # Packed weights. oneDNN reads a weight in its own blocked layout; handed the plain [out, in] tensor, it reorders it on
