@@ -6,8 +6,9 @@ with AVX-512 it runs its AVX2 ones, at about half the machine's fp32 rate (measu
 torch CPU build, `torch.ops.mkldnn`) picks kernels by instruction set. `OneDNNLinears` is a context entered on the
 engine thread around its forward only (a thread-local flag read by the patched `nn.Linear.forward`), so the trainer's
 forward of the same shared model keeps torch's own kernels. Linears called as `F.linear` outside an `nn.Linear` (some
-MoE experts) keep torch's. It reads the live weight tensor on every call (no packed copy): in-place weight updates,
-LoRA merges and the fleet's broadcasts are seen at once, as with torch's own linear.
+MoE experts) keep torch's. It reads each weight packed once in oneDNN's layout, packed again whenever the weight may
+have changed (see "Packed weights" below): in-place updates, LoRA merges and the fleet's broadcasts are seen at the
+next step, as with torch's own linear.
 
 The product is the same fp32 product summed in another order: measured against a float64 product, oneDNN's error is
 ~2x MKL's (~2e-6 against ~1e-6 on unit-scale inputs at K = 512-1536), far inside the logprob rule (1e-5 of the fp32
@@ -117,7 +118,7 @@ def install() -> None:
 
 # Packed weights. oneDNN reads a weight in its own blocked layout; handed the plain [out, in] tensor, it reorders it on
 # every call. A copy packed once (torch.ops.mkldnn._reorder_linear_weight) saves that: 1.15x at 64 rows, 1.45x at 16
-# and 2x at 4 on the 25M model's shapes (RESULTS.md, "packed weights"), with the same bits as the live weight from 2
+# and 2x at 4 on the 25M model's shapes (benchmarks/bench_kernels.py; RESULTS.md), with the same bits as the live weight from 2
 # rows up. The copy costs the linear weights' memory once more. It is the weight's value when packed, so it is packed
 # again when the weight may have changed: its version counter or storage moved (an in-place op, a `copy_`, a new
 # tensor), or `weights_changed()` was called (the worker calls it on every refresh, update and adapter merge, which
