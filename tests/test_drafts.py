@@ -290,3 +290,35 @@ def test_propose_is_cheap():
         row.propose(4)  # a miss: every suffix length tried in both sources
     per_call = (time.process_time() - start) / calls
     assert per_call < 30e-6
+
+
+def test_auto_rests_a_request_its_sources_find_nothing_for_and_looks_again_after():
+    from rollout.engine import speculator as spec_module
+
+    class State:  # the fields of an upstream RequestState the speculator reads
+        request_id, max_new_tokens, _true_initial_tokens = "r", None, 0
+
+        def __init__(self):
+            self.initial_tokens, self.generated_tokens = list(range(100, 140)), []  # no n-gram repeats
+
+        def generated_len(self):
+            return len(self.generated_tokens)
+
+    speculator = spec_module.Speculator(Speculation(mode="auto", drafts=("context",)),
+                                        DraftIndex(Speculation(drafts=("context",))), lambda _: True,
+                                        lambda *a: None)
+    speculator.k = 2
+    state, lookups = State(), []
+    original = drafts_module.RowDrafts.propose
+    drafts_module.RowDrafts.propose = lambda self, k: lookups.append(len(self.tokens)) or original(self, k)
+    try:
+        steps = spec_module.MAX_MISSES + spec_module.REST_STEPS + 1
+        for step in range(steps):
+            assert speculator.propose(state) == []
+            state.generated_tokens.append(500 + step)
+        assert len(lookups) == spec_module.MAX_MISSES + 1  # two misses, a rest, then a look again
+        assert lookups[-1] == 40 + steps - 1  # the drafter was fed every token of the rest at once
+        state.generated_tokens += [100, 101]  # now the row repeats its prompt's start: "100 101" -> 102 ...
+        assert speculator.propose(state) == [102, 103]
+    finally:
+        drafts_module.RowDrafts.propose = original

@@ -73,6 +73,7 @@ def test_only_llama_exact_code_is_patched_and_only_the_engine_thread_inside_fuse
     assert hasattr(modeling_llama.LlamaRMSNorm.forward, "__wrapped__")
     assert hasattr(modeling_llama.apply_rotary_pos_emb, "__wrapped__")
     assert elementwise._same(modeling_qwen2.Qwen2RMSNorm.forward, elementwise._NORM)  # a copy of Llama's: patchable
+    assert elementwise._same(modeling_qwen2.apply_rotary_pos_emb, elementwise._ROTARY)
     assert not elementwise._same(modeling_gemma.GemmaRMSNorm.forward, elementwise._NORM)  # (1 + weight): its own
     calls = []
     original = elementwise.rms_norm
