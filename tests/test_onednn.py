@@ -151,17 +151,32 @@ def test_the_trainer_thread_keeps_torchs_own_linear_while_the_engine_runs(normal
     assert all(torch.equal(d, before) for d in during)  # bit for bit: the trainer's kernels
 
 
-def test_weights_changed_in_place_are_what_the_next_call_computes(normal_path):
+def _noise_inside_weight_update(model, worker, prompts) -> None:
+    with worker.weight_update() as bump:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.01)
+        bump()
+
+
+def _fused_adamw_step_then_refresh(model, worker, prompts) -> None:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)  # leaves version counters alone
+    model(torch.tensor([prompts[-1]]), labels=torch.tensor([prompts[-1]])).loss.backward()
+    optimizer.step()
+    model.zero_grad(set_to_none=True)
+    worker.refresh()
+
+
+@pytest.mark.parametrize("change", [_noise_inside_weight_update, _fused_adamw_step_then_refresh],
+                         ids=["in-place-inside-weight-update", "fused-adamw-then-refresh"])
+def test_weights_changed_in_place_are_what_the_next_call_computes(normal_path, change):
+    """The packed oneDNN weights follow the change: the next call is inside the rule of the new weights."""
     model, _ = load_tiny_model(normal_path)
     prompts = _prompts(model.config.vocab_size)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=16, seed=5)
     with RolloutWorker(model, WorkerConfig(cpu_linear="onednn")) as worker:
         worker.generate(prompts, params)
-        with worker.weight_update() as bump:
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.01)
-            bump()
+        change(model, worker, prompts)
         batch = worker.generate(prompts, params)
     gaps = _gaps(model, batch, 1.0)
     assert gaps.max().item() <= 1e-5 and gaps.mean().item() <= 1e-6, (gaps.max().item(), gaps.mean().item())
@@ -210,19 +225,3 @@ def test_a_packed_weight_gives_the_live_weights_product_and_follows_every_kind_o
     assert onednn.packed(weight) is not None and id(weight) in onednn._packs
     del weight, stale, first
     assert not [e for e in onednn._packs.values() if e.weight() is None]  # a weight's copy dies with it
-
-
-def test_a_fused_optimizer_step_and_a_refresh_reach_the_packed_linears(normal_path):
-    model, _ = load_tiny_model(normal_path)
-    prompts = _prompts(model.config.vocab_size)
-    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=3)
-    with RolloutWorker(model, WorkerConfig(cpu_linear="onednn")) as worker:
-        worker.generate(prompts, params)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)  # leaves version counters alone
-        model(torch.tensor([prompts[-1]]), labels=torch.tensor([prompts[-1]])).loss.backward()
-        optimizer.step()
-        model.zero_grad(set_to_none=True)
-        worker.refresh()
-        batch = worker.generate(prompts, params)
-    gaps = _gaps(model, batch, 1.0)
-    assert gaps.max().item() <= 1e-5 and gaps.mean().item() <= 1e-6, (gaps.max().item(), gaps.mean().item())
