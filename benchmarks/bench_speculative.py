@@ -289,7 +289,8 @@ def print_engine(rows: list[dict]) -> None:
     for r in rows:
         rounds.setdefault((r["workload"], r["sampling"], r["epoch"], r["mode"]), []).append(r["speedup"])
     if any(len(v) > 1 for v in rounds.values()):
-        print("\n| workload | sampling | epoch | mode | median speedup | each round |\n| --- | --- | ---: | --- | ---: | --- |")
+        print("\n| workload | sampling | epoch | mode | median speedup | each round |")
+        print("| --- | --- | ---: | --- | ---: | --- |")
         for (workload, sampling, epoch, mode), speedups in rounds.items():
             print(f"| {workload} | {sampling} | {epoch} | {mode} | {statistics.median(speedups):.2f}x | "
                   + ", ".join(f"{x:.2f}" for x in speedups) + " |")

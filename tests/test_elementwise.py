@@ -27,7 +27,7 @@ def _norm(width: int, seed: int) -> modeling_llama.LlamaRMSNorm:
 
 @needs_kernel
 @pytest.mark.parametrize("rows", [0, 1, 7, 1100], ids=["empty", "one", "few", "split-over-threads"])
-@pytest.mark.parametrize("width", [1, 9, 64, 512, 1000, 2304])
+@pytest.mark.parametrize("width", [1, 9, 64, 512, 1000, 2304, 8192])
 def test_rms_norm_is_torchs_rms_norm_bit_for_bit(rows, width):
     g = torch.Generator().manual_seed(rows * width)
     x = torch.randn(2, rows, width, generator=g) * torch.rand(2, rows, 1, generator=g) * 3  # rows of every scale

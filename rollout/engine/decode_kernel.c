@@ -157,9 +157,9 @@ int paged_decode(const float *q, int64_t q_stride_t, int64_t q_stride_h, const f
 }
 
 /* The step's new keys and values ([tokens, Hkv, D], any token and head strides, last dim contiguous) copied into cache
-   rows write[t] of keys / values ([cache rows, Hkv, D], contiguous), a head's D floats at a time. Returns 0; -1 where an
-   index is outside the cache (nothing written). torch's index_copy_ goes element by element through the strided views:
-   32 us for a layer's keys and values at 128 rows of the 25M model, against 12 us here (bench_kernels.py). */
+   rows write[t] of keys / values ([cache rows, Hkv, D], contiguous), a head's D floats at a time. Returns 0; -1 where
+   an index is outside the cache (nothing written). torch's index_copy_ goes element by element through the strided
+   views: 32 us for a layer's keys and values at 128 rows of the 25M model, against 12 us here (bench_kernels.py). */
 int paged_write(const float *k, int64_t k_stride_t, int64_t k_stride_h, const float *v, int64_t v_stride_t,
                 int64_t v_stride_h, float *keys, float *values, const int64_t *write, int64_t tokens, int64_t hkv,
                 int64_t d, int64_t dv, int64_t cache_rows) {

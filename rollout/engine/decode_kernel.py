@@ -67,13 +67,14 @@ def paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tabl
     return code == 0
 
 
-def paged_write(k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor) -> bool:
+def paged_write(k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                index: torch.Tensor) -> bool:
     """keys[index[t]] = k[t] and values[index[t]] = v[t]: the step's new KV ([T, Hkv, D], last dim contiguous) into the
     cache's token rows ([cache rows, Hkv, D], contiguous), the same copy as the allocator's index_copy_. False where the
     kernel does not take these tensors (nothing written); IndexError where an index is outside the cache."""
     lib = load()
-    if lib is None or k.device.type != "cpu" or keys.device.type != "cpu" or k.dtype != torch.float32 or v.dtype != torch.float32 or k.stride(-1) != 1 or \
-            v.stride(-1) != 1 or keys.dtype != torch.float32 or values.dtype != torch.float32 or \
+    if lib is None or k.device.type != "cpu" or keys.device.type != "cpu" or \
+            any(t.dtype != torch.float32 for t in (k, v, keys, values)) or k.stride(-1) != 1 or v.stride(-1) != 1 or \
             not (keys.is_contiguous() and values.is_contiguous()) or index.dtype != torch.int64 or \
             not index.is_contiguous() or k.shape[0] != index.numel() or v.shape[0] != index.numel() or \
             k.shape[1:] != keys.shape[1:] or v.shape[1:] != values.shape[1:]:

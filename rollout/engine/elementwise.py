@@ -2,15 +2,16 @@
 
 In eager mode transformers' `LlamaRMSNorm` is seven tensor ops (pow, sum, div, add, rsqrt, two products) and
 `apply_rotary_pos_emb` ten (four products, two negations, two cats, two sums), each a pass over memory with its own
-dispatch: at 128 rows of the 25M model 41 us a norm and 100 us a rotary, against 16 and 22 us fused
-(benchmarks/bench_kernels.py), 13 norms and 6 rotaries a forward. elementwise.c does each in one call with the same roundings in the same
-order, including the order torch's CPU kernel sums a row (its `lanes`-wide vectors and cascade of accumulators), so
-the results are the same bits: nothing downstream, the exactness tests included, can tell the two paths apart.
+dispatch: at 128 rows of the 25M model ~25-40 us a norm and ~65-100 us a rotary, against 12-16 and 19-22 us fused
+(benchmarks/bench_kernels.py), 13 norms and 6 rotaries a forward. elementwise.c does each in one call with the same
+roundings in the same order, including the order torch's CPU kernel sums a row (8-lane vectors and a cascade of
+accumulators), so the results are the same bits: nothing downstream, the exactness tests included, can tell the two
+paths apart.
 
 `install(model)` patches the forward of each RMSNorm class of the model whose code is exactly Llama's (Qwen2, Qwen3,
 Mistral and others copy it), and the `apply_rotary_pos_emb` of each modeling module whose code is exactly Llama's. The
-patched functions take the fused path only inside `Fused()` on the engine thread (a thread-local flag, as the oneDNN
-mode is thread-local), for fp32 CPU tensors without autograd, and never while torch.compile traces; everywhere else
+patched functions take the fused path only inside `Fused()` on the engine thread (a thread-local flag, as oneDNN's
+linears are), for fp32 CPU tensors without autograd, and never while torch.compile traces; everywhere else
 (the trainer's forward of the same shared model, other threads, other dtypes) they call the original. A model whose
 norm or rotary code differs from Llama's by a character keeps its own.
 
@@ -207,8 +208,10 @@ def _self_check(lib: ctypes.CDLL) -> str:
     g = torch.Generator().manual_seed(0)
     norm = modeling_llama.LlamaRMSNorm.forward.__dict__.get("__wrapped__", modeling_llama.LlamaRMSNorm.forward)
     with torch.no_grad():
-        for width in (8, 17, 64, 100, 256, 512, 768, 1000, 2048, 4096, 5120):
-            for rows in (1, 3, 130):
+        widths = [(w, (1, 3, 130)) for w in (8, 17, 64, 100, 256, 512, 768, 1000, 2048, 4096, 5120)]
+        widths += [(8192, (8,)), (30000, (2,))]  # fewer rows than width past torch's grain: still split by rows
+        for width, rows_of_width in widths:
+            for rows in rows_of_width:
                 x = torch.randn(rows, width, generator=g) * (0.02 + width % 7)
                 layer = modeling_llama.LlamaRMSNorm(width, eps=1e-6)
                 layer.weight.normal_(1.0, 0.1, generator=g)
