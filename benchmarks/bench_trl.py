@@ -162,6 +162,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps at the start of each run")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init-std", type=float, default=0.2,
+                        help="the model's init std: rollout.testing's 0.2 (peaked, varied distributions; oneDNN's "
+                             "products can differ from torch's by > 1e-4 in a logprob there, so TRL's check fails and "
+                             "its recompute runs every step) or 0.02 (a normally initialised model)")
     parser.add_argument("--variants", default="generate,cb,rollout")
     parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -174,7 +178,9 @@ def main() -> None:
         raise SystemExit(f"--variants: {unknown} unknown; pick from {list(VARIANTS)}")
     from rollout.testing import build_tiny_model
 
-    args.model = str(build_tiny_model(f"{tempfile.gettempdir()}/rollout-bench-{args.size}", size=args.size))
+    suffix = "" if args.init_std == 0.2 else f"-std{args.init_std}"
+    args.model = str(build_tiny_model(f"{tempfile.gettempdir()}/rollout-bench-{args.size}{suffix}", size=args.size,
+                                      init_std=args.init_std))
     steps: dict[str, list[dict]] = {v: [] for v in variants}
     for r in range(args.rounds):
         for variant in variants:

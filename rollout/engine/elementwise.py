@@ -136,7 +136,8 @@ _NORM = _code(modeling_llama.LlamaRMSNorm.forward)
 _ROTARY = _code(modeling_llama.apply_rotary_pos_emb)
 _ROTATE_HALF = _code(modeling_llama.rotate_half)
 _ORIGINAL_ROTARY = modeling_llama.apply_rotary_pos_emb  # the reference of the self-check, whatever is patched later
-_patched: set = set()
+_patched: set = set()  # classes and modeling modules patched
+_rejected: set = set()  # and those whose code is not Llama's (looked at once)
 _patch_lock = threading.Lock()
 
 
@@ -147,8 +148,7 @@ def install(model: torch.nn.Module) -> bool:
         return False
     found = False
     with _patch_lock:
-        for module in model.modules():
-            cls = type(module)
+        for cls in {type(module) for module in model.modules()}:  # each class and modeling module looked at once
             found = _patch_norm(cls) | _patch_rotary(sys.modules.get(cls.__module__)) | found
     return found
 
@@ -156,7 +156,8 @@ def install(model: torch.nn.Module) -> bool:
 def _patch_norm(cls: type) -> bool:
     if cls in _patched:
         return True
-    if not cls.__name__.endswith("RMSNorm") or not _same(cls.forward, _NORM):
+    if cls in _rejected or not cls.__name__.endswith("RMSNorm") or not _same(cls.forward, _NORM):
+        _rejected.add(cls)
         return False
     original = cls.forward
 
@@ -179,7 +180,9 @@ def _patch_rotary(module) -> bool:
     if module in _patched:
         return True
     original, rotate_half = getattr(module, "apply_rotary_pos_emb", None), getattr(module, "rotate_half", None)
-    if original is None or rotate_half is None or not _same(original, _ROTARY) or not _same(rotate_half, _ROTATE_HALF):
+    if module in _rejected or original is None or rotate_half is None or not _same(original, _ROTARY) or \
+            not _same(rotate_half, _ROTATE_HALF):
+        _rejected.add(module)
         return False
 
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
