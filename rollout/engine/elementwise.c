@@ -9,6 +9,9 @@
 #include <string.h>
 
 #define MAX_THREADS 64
+/* torch's sum kernel adds a row as 8-float vectors on x86 CPUs, AVX-512 ones included (measured: 8 give its bits on an
+   AVX-512 core, 16 do not); elementwise.py's self-check guards every other CPU and torch build */
+#define LANES 8
 #define FLOATS_PER_THREAD (1 << 20) /* less work than this a thread runs on the caller's: starting and joining one costs
                                        ~45 us here, a thread norms ~7 floats a nanosecond */
 
@@ -17,15 +20,15 @@
    row_sum (4 interleaved accumulators, each a cascade of 4 levels of 2^power vectors: multi_row_sum), vectors past the
    last group of 4 into the first accumulator, the accumulators added in order, then the scalar tail and the lanes
    added to a scalar. Each square is rounded before it is added, as pow(2) stores it. */
-static inline __attribute__((always_inline)) float row_sum_of_squares(const float *x, int64_t n, const int64_t lanes) {
-    const int64_t vectors = n / lanes, size = vectors / 4;
+static float row_sum_of_squares(const float *x, int64_t n) {
+    const int64_t lanes = LANES, vectors = n / lanes, size = vectors / 4;
     int64_t ceil_log2 = 1; /* c10's CeilLog2: 1 up to 2, else ceil(log2(size)) */
     if (size > 2) {
         ceil_log2 = 0;
         for (uint64_t v = (uint64_t)size - 1; v; v >>= 1) ceil_log2++;
     }
     const int64_t power = ceil_log2 / 4 > 4 ? ceil_log2 / 4 : 4, step = (int64_t)1 << power, mask = step - 1;
-    float acc[4][4][16];
+    float acc[4][4][LANES];
     memset(acc, 0, sizeof acc);
     int64_t i = 0;
 #define ADD_VECTOR(dst, v)                                                   \
@@ -63,13 +66,10 @@ static inline __attribute__((always_inline)) float row_sum_of_squares(const floa
     return total;
 }
 
-static float sum_of_squares_8(const float *x, int64_t n) { return row_sum_of_squares(x, n, 8); }
-static float sum_of_squares_16(const float *x, int64_t n) { return row_sum_of_squares(x, n, 16); }
-
 typedef struct {
     const float *x, *weight, *cos_, *sin_;
     float *out;
-    int64_t x_stride_t, x_stride_h, out_stride_t, out_stride_h, heads, n, lanes, begin, end;
+    int64_t x_stride_t, x_stride_h, out_stride_t, out_stride_h, heads, n, begin, end;
     float eps;
 } Job;
 
@@ -80,8 +80,7 @@ static void *norm_rows(void *arg) {
     for (int64_t r = j->begin; r < j->end; r++) {
         const float *x = j->x + r * j->x_stride_t;
         float *o = j->out + r * j->out_stride_t;
-        const float sum = j->lanes == 16 ? sum_of_squares_16(x, j->n) : sum_of_squares_8(x, j->n);
-        const float variance = sum / (float)j->n;
+        const float variance = row_sum_of_squares(x, j->n) / (float)j->n;
         const float inv = 1.0f / sqrtf(variance + j->eps);
         for (int64_t e = 0; e < j->n; e++) {
             const float h = x[e] * inv;
@@ -136,21 +135,17 @@ static void split(void *(*fn)(void *), Job job, int64_t rows, int64_t row_floats
         if (started[t]) pthread_join(ids[t], NULL);
 }
 
-/* out[r] = RMSNorm(x[r]) for rows of n floats (last dim contiguous, rows `x_stride` apart). lanes: the vector width
-   torch's sum kernel adds a row in (8 or 16). Returns 0; -1 for a lane count it does not know (nothing written). */
-int rms_norm(const float *x, int64_t x_stride, const float *weight, float eps, float *out, int64_t out_stride,
-             int64_t rows, int64_t n, int64_t lanes, int64_t threads) {
-    if (lanes != 8 && lanes != 16) return -1;
-    Job job = {x, weight, NULL, NULL, out, x_stride, 0, out_stride, 0, 1, n, lanes, 0, rows, eps};
+/* out[r] = RMSNorm(x[r]) for rows of n floats (last dim contiguous, rows `x_stride` apart). */
+void rms_norm(const float *x, int64_t x_stride, const float *weight, float eps, float *out, int64_t out_stride,
+              int64_t rows, int64_t n, int64_t threads) {
+    Job job = {x, weight, NULL, NULL, out, x_stride, 0, out_stride, 0, 1, n, 0, rows, eps};
     split(norm_rows, job, rows, n, threads);
-    return 0;
 }
 
 /* out = apply_rotary_pos_emb's result for x [tokens, heads, d] by strides (last dim contiguous, d even), with
    cos / sin [tokens, d] contiguous, into out by its strides. */
 void rotary(const float *x, int64_t x_stride_t, int64_t x_stride_h, const float *cos_, const float *sin_, float *out,
             int64_t out_stride_t, int64_t out_stride_h, int64_t tokens, int64_t heads, int64_t d, int64_t threads) {
-    Job job = {x, NULL, cos_, sin_, out, x_stride_t, x_stride_h, out_stride_t, out_stride_h, heads, d, 0, 0, tokens,
-               0.0f};
+    Job job = {x, NULL, cos_, sin_, out, x_stride_t, x_stride_h, out_stride_t, out_stride_h, heads, d, 0, tokens, 0.0f};
     split(rotate_rows, job, tokens, heads * d, threads);
 }

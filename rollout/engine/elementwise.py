@@ -53,19 +53,14 @@ class Fused:
         _local.on = False
 
 
-# torch's sum kernel adds a row as 8-lane vectors on x86 CPUs, AVX-512 ones included (its AVX-512 build of that kernel
-# is not dispatched: slower than AVX2's); measured with the self-check below, which also guards every other CPU
-LANES = 8
-
-
 @functools.lru_cache(maxsize=1)
 def load() -> ctypes.CDLL | None:
     """The built kernels, checked against torch on this machine, or None (then torch's ops run)."""
     lib = native.load("elementwise", FLAGS)
     if lib is None:
         return None
-    lib.rms_norm.argtypes = [_PTR, _I64, _PTR, ctypes.c_float, _PTR, _I64, _I64, _I64, _I64, _I64]
-    lib.rms_norm.restype = ctypes.c_int
+    lib.rms_norm.argtypes = [_PTR, _I64, _PTR, ctypes.c_float, _PTR, _I64, _I64, _I64, _I64]
+    lib.rms_norm.restype = None
     lib.rotary.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64]
     lib.rotary.restype = None
     differs = _self_check(lib)
@@ -87,8 +82,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib: ctypes.CDLL
             not (x.is_contiguous() and weight.is_contiguous()) or _tracked(x, weight):
         return None
     out = torch.empty_like(x)
-    lib.rms_norm(x.data_ptr(), n, weight.data_ptr(), eps, out.data_ptr(), n, x.numel() // n, n, LANES,
-                 torch.get_num_threads())
+    lib.rms_norm(x.data_ptr(), n, weight.data_ptr(), eps, out.data_ptr(), n, x.numel() // n, n, torch.get_num_threads())
     return out
 
 
