@@ -63,6 +63,38 @@ def test_each_row_is_the_fp64_attention_over_its_own_pages(heads, kv_heads, dim,
 
 
 @needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,dim,page", [(12, 4, 64, 16), (10, 2, 128, 24), (8, 1, 32, 40), (20, 4, 64, 4)],
+                         ids=["group-3", "group-5-dim-128-page-24", "group-8-page-40", "group-5-page-4"])
+def test_query_groups_and_pages_past_one_register_block_are_exact(heads, kv_heads, dim, page):
+    # groups of 3 and 5 query heads split into register blocks of at most 4; pages of 24 and 40 tokens end inside a
+    # 16-token score block; a page of 4 is shorter than one
+    lens = [1, page - 1, page, page + 1, 3 * page + 5, 97]
+    keys, values, table, lens_t, positions, q = _case(len(lens), heads, kv_heads, dim, page, lens, seed=heads)
+    out = torch.empty(q.shape[0], heads, dim)
+    assert decode_kernel.paged_decode(q, keys, values, table, lens_t, positions, out, page, None)
+    expected = _reference(keys, values, table, lens_t, positions, q, page, 1 / math.sqrt(dim))
+    assert (out[positions].double() - expected).abs().max().item() < 2e-6
+
+
+@pytest.mark.skipif("avx512f" not in native.cpuinfo("flags").split(), reason="the AVX-512 path is the only one here")
+def test_the_portable_loop_gives_the_same_attention_as_the_avx512_path(monkeypatch):
+    portable = decode_kernel.load(("-mno-avx512f",))
+    if portable is None or decode_kernel.load() is None:
+        pytest.skip("no C compiler: the kernel cannot be built")
+    lens = [1, 15, 16, 17, 33, 100]
+    keys, values, table, lens_t, positions, q = _case(len(lens), 12, 4, 64, 16, lens, seed=7)
+    expected = _reference(keys, values, table, lens_t, positions, q, 16, 1 / 8)
+    outs = []
+    for lib in (decode_kernel.load(), portable):
+        monkeypatch.setattr(decode_kernel, "load", lambda flags=(), lib=lib: lib)
+        outs.append(torch.empty(q.shape[0], 12, 64))
+        assert decode_kernel.paged_decode(q, keys, values, table, lens_t, positions, outs[-1], 16, None)
+    for out in outs:
+        assert (out[positions].double() - expected).abs().max().item() < 2e-6
+    assert not torch.equal(outs[0][positions], outs[1][positions])  # two paths, summed in different orders
+
+
+@needs_kernel
 def test_scores_far_apart_and_a_given_scale_stay_exact():
     page, lens = 4, [9, 30]
     keys, values, table, lens_t, positions, q = _case(2, 4, 2, 32, page, lens, seed=3)
