@@ -8,6 +8,10 @@ Each row is the mean of a timed loop after a warm-up, both paths in the same pro
 - rotary (8 query heads, 4 KV heads, head dim 64): apply_rotary_pos_emb against elementwise.rotary (the same bits);
 - KV write (4 KV heads x 64, into a 100k-row cache): the allocator's two index_copy_ against decode_kernel.paged_write;
 - linear (oneDNN): the live weight against the packed one (onednn.packed), per shape of the 25M model;
+- decode attention (GRPO-shaped: groups of n = 8 rows sharing 96 prompt tokens, then 64 or 400 tokens of their own;
+  4 KV heads x 64, 2-4 query heads per KV head as in the 25M / ~100M / ~350M models; a 12-layer cache, one call per
+  layer as the engine makes them, so each layer's keys come from memory, not the CPU cache): decode_kernel.c's
+  portable loop (built with -mno-avx512f; the compiler's own vectorisation) against its AVX-512 path;
 - forward: one 64-token forward of the 25M model with its linears on oneDNN, through a TorchFunctionMode (the engine
   until 2026-12-03) against the patched nn.Linear.forward (now).
 Prints the machine card first (fp32 GEMM rate, CPU flags).
@@ -66,6 +70,41 @@ def elementwise_rows(rows: int) -> None:
                                                                                           index)))
 
 
+def decode_rows(rows: int, portable) -> None:
+    g = torch.Generator().manual_seed(rows)
+    page, n, prompt, layers = 16, 8, 96, 12
+    for rep, own in ((2, 64), (3, 64), (4, 64), (3, 400)):
+        lens, table, pages = [], [], 0
+        for _ in range(max(1, rows // n)):
+            shared = list(range(pages, pages + prompt // page))
+            pages += len(shared)
+            for _ in range(n):
+                mine = list(range(pages, pages + own // page))
+                pages += len(mine)
+                table.append(shared + mine)
+                lens.append(prompt + own)
+        rows_here = len(lens)
+        cache = [(torch.randn(pages * page, 4, 64, generator=g), torch.randn(pages * page, 4, 64, generator=g))
+                 for _ in range(layers)]
+        q = torch.randn(rows_here, 4 * rep, 64, generator=g)
+        out = torch.empty_like(q)
+        table_t, lens_t, positions = torch.tensor(table), torch.tensor(lens), torch.arange(rows_here)
+
+        def step():  # one decode step's attention: every layer once
+            for keys, values in cache:
+                decode_kernel.paged_decode(q, keys, values, table_t, lens_t, positions, out, page, None)
+
+        ours = mean_us(step, 1.0) / layers
+        kernel = decode_kernel.load
+        decode_kernel.load = lambda flags=(): portable
+        try:
+            base = mean_us(step, 1.0) / layers
+        finally:
+            decode_kernel.load = kernel
+        line(f"decode attention, {rep} q heads / KV head, {prompt}+{own} keys (portable -> AVX-512)", rows_here,
+             base, ours)
+
+
 def linear_rows(rows: int) -> None:
     g = torch.Generator().manual_seed(rows)
     for out_f, in_f in ((1536, 512), (512, 1536), (8192, 512)):
@@ -106,6 +145,12 @@ def _live(fn):
         onednn.packed = packed
 
 
+def machine_flags() -> list[str]:
+    from rollout.engine import native
+
+    return native.cpuinfo("flags").split()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="4,16,64,128,512")
@@ -118,6 +163,9 @@ def main() -> None:
     if elementwise.load() is not None and decode_kernel.load() is not None:
         for r in rows:
             elementwise_rows(r)
+        portable = decode_kernel.load(("-mno-avx512f",)) if "avx512f" in machine_flags() else None
+        for r in (r for r in rows if portable is not None and r >= 8):
+            decode_rows(r, portable)
     else:
         print("# no C compiler here: the fused kernels are not built")
     if onednn.available():

@@ -38,7 +38,7 @@ from ..base.config import WorkerConfig, check_in_flight
 from ..base.errors import invalid
 from ..base.params import SamplingParams
 from ..moe import Routing, find_routers
-from . import cuda, elementwise, onednn, sizing
+from . import cuda, elementwise, onednn, openmp, sizing
 from .call import Call, Sample
 from .counters import Counters
 from .driver import EpisodeDriver
@@ -389,7 +389,9 @@ class Engine:
     # ------------------------------------------------------------------ submission and waiting
     def submit(self, samples_by_prompt: list[list[Sample]], call: Call) -> None:
         """Accept a call: every sample is submitted now (after any weight switch in progress); the call settles on
-        the supervisor thread once it is over (`call.settled`)."""
+        the supervisor thread once it is over (`call.settled`). The caller's idle OpenMP workers are let go, so the
+        engine thread's parallel ops are not throttled (openmp.py)."""
+        openmp.release_callers_pool()
         with self._cond:
             self._cond.wait_for(lambda: not self._updating)
             self._wake_locked()  # a sleeping engine wakes for work

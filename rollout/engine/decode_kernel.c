@@ -291,6 +291,29 @@ static void *run(void *arg) {
     return NULL;
 }
 
+/* torch's OpenMP runtime (libgomp), when decode_kernel.py found it: the kernel's threads are then the engine thread's
+   own OpenMP team, whose workers are already spinning between the forward's parallel ops. POSIX threads of our own
+   would have to share the CPUs with those spinning workers. */
+static void (*gomp_parallel)(void (*)(void *), void *, unsigned, unsigned) = NULL;
+static int (*gomp_thread_num)(void) = NULL;
+
+void use_openmp(void *parallel, void *thread_num) {
+    gomp_parallel = (void (*)(void (*)(void *), void *, unsigned, unsigned))parallel;
+    gomp_thread_num = (int (*)(void))thread_num;
+}
+
+typedef struct {
+    const Job *jobs;
+    int64_t count, next, failed;
+} Team;
+
+/* Each member of the team takes jobs until none is left, so every job runs however many threads the runtime gives. */
+static void team_member(void *arg) {
+    Team *team = (Team *)arg;
+    for (int64_t t; (t = __atomic_fetch_add(&team->next, 1, __ATOMIC_RELAXED)) < team->count;)
+        if (run((void *)&team->jobs[t]) != NULL) __atomic_store_n(&team->failed, 1, __ATOMIC_RELAXED);
+}
+
 /* Returns 0; -1 where a size is past this kernel's limits (nothing written); -2 where scratch memory could not be had
    (some rows not written). */
 int paged_decode(const float *q, int64_t q_stride_t, int64_t q_stride_h, const float *k, const float *v,
@@ -312,6 +335,11 @@ int paged_decode(const float *q, int64_t q_stride_t, int64_t q_stride_h, const f
     for (int64_t t = 0; t < threads; t++) {
         jobs[t] = (Job){q, k, v, table, lens, qpos, max_pages, hkv, rep, d, dv, page, q_stride_t, q_stride_h,
                         out_stride_t, out_stride_h, scale, out, groups, work * t / threads, work * (t + 1) / threads};
+    }
+    if (gomp_parallel != NULL && threads > 1) {
+        Team team = {jobs, threads, 0, 0};
+        gomp_parallel(team_member, &team, (unsigned)threads, 0);
+        return team.failed ? -2 : 0;
     }
     int64_t started = 1, failed = 0;
     for (; started < threads; started++)

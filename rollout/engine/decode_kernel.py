@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from . import native
+from . import native, openmp
 
 MAX_PAGE = 256  # decode_kernel.c's limits; past them the engine keeps its workspace path
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -46,6 +46,10 @@ def load(flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         lib.paged_decode.restype = ctypes.c_int
         lib.paged_write.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64]
         lib.paged_write.restype = ctypes.c_int
+        runtime = openmp.torch_runtime()
+        if runtime is not None:  # the kernel's threads are the engine thread's OpenMP team (decode_kernel.c)
+            lib.use_openmp.argtypes = [_PTR, _PTR]
+            lib.use_openmp(ctypes.cast(runtime.GOMP_parallel, _PTR), ctypes.cast(runtime.omp_get_thread_num, _PTR))
     return lib
 
 

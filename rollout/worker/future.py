@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError
 
 from ..base.batch import RolloutBatch, Row
-from ..engine import Call
+from ..engine import Call, openmp
 
 
 class RolloutFuture:
@@ -45,6 +45,7 @@ class RolloutFuture:
         return self._call.discarded_tokens
 
     def result(self, timeout: float | None = None) -> RolloutBatch:
+        openmp.release_callers_pool()  # this thread waits now: its OpenMP workers would throttle the engine's
         if not self._call.settled.wait(timeout):
             raise TimeoutError(f"generate timed out after {timeout}s with {self._call.num_done()}/"
                                f"{len(self._call.samples)} rows done")
