@@ -5,7 +5,9 @@ runs one SDPA per bucket and one over the shared prefixes, merged by log-sum-exp
 1.4 ms a layer, 30% of a GRPO step, almost all of it copies and per-call overhead (the arithmetic is ~25 MFLOP). The
 kernel reads every row's keys where they lie, page by page, with an online softmax in fp32 (each page's scores, their
 max, then exp and the value sum): no copy, no padding, no merge, one call per layer for every decode row of the step.
-Work is split over rows (and a row's KV heads when rows are few) on `torch.get_num_threads()` POSIX threads.
+Work is split over rows (and a row's KV heads when rows are few) on `torch.get_num_threads()` threads: the engine
+thread's own OpenMP team where torch runs on libgomp (openmp.py), whose workers spin between the forward's parallel
+ops, else POSIX threads of its own.
 
 It is C, compiled once per machine on first use (native.py); where it cannot be built, or with
 `ROLLOUT_DECODE_KERNEL=0`, `load()` is None and the engine keeps its workspace path, same results to fp32 rounding.

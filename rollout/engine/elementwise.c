@@ -1,7 +1,8 @@
 /* Fused elementwise pieces of a decoder layer (RMSNorm, rotary embedding) for fp32, bit for bit what torch's eager ops
    compute: the same roundings in the same order, so nothing downstream can tell them apart. Built with
    -ffp-contract=off (elementwise.py): a fused multiply-add would round once where torch rounds twice. Rows are split
-   over POSIX threads when there are enough of them; a row's result never depends on the split. Loaded by
+   over the engine thread's OpenMP team (else POSIX threads) when there are enough of them; a row's result never
+   depends on the split. Loaded by
    elementwise.py, which says why they exist and how they are checked. */
 #include <math.h>
 #include <pthread.h>
@@ -14,6 +15,7 @@
 #define LANES 8
 #define FLOATS_PER_THREAD (1 << 20) /* less work than this a thread runs on the caller's: starting and joining one costs
                                        ~45 us here, a thread norms ~7 floats a nanosecond */
+#define FLOATS_PER_TEAM_THREAD 32768 /* on the engine thread's OpenMP team: torch's own grain size for its ops */
 
 /* torch's sum of x[e]^2 over one contiguous row of n floats, as its CPU kernel computes it
    (aten/src/ATen/native/cpu/SumKernel.cpp, vectorized_inner_sum over pow(2)'s output): LANES-wide vectors summed by
@@ -113,9 +115,27 @@ static void *rotate_rows(void *arg) {
     return NULL;
 }
 
+/* torch's OpenMP runtime (libgomp), when elementwise.py found it: rows are then split over the engine thread's own
+   OpenMP team, whose workers are already spinning between the forward's parallel ops (see decode_kernel.c). */
+static void (*gomp_parallel)(void (*)(void *), void *, unsigned, unsigned) = NULL;
+
+void use_openmp(void *parallel) { gomp_parallel = (void (*)(void (*)(void *), void *, unsigned, unsigned))parallel; }
+
+typedef struct {
+    void *(*fn)(void *);
+    Job *jobs;
+    int64_t count, next;
+} Team;
+
+/* Each member of the team takes jobs until none is left, so every job runs however many threads the runtime gives. */
+static void team_member(void *arg) {
+    Team *team = (Team *)arg;
+    for (int64_t t; (t = __atomic_fetch_add(&team->next, 1, __ATOMIC_RELAXED)) < team->count;) team->fn(&team->jobs[t]);
+}
+
 /* runs fn over rows 0..rows of job, split over up to `threads` threads (the caller's included) */
 static void split(void *(*fn)(void *), Job job, int64_t rows, int64_t row_floats, int64_t threads) {
-    const int64_t enough = rows * row_floats / FLOATS_PER_THREAD;
+    const int64_t enough = rows * row_floats / (gomp_parallel != NULL ? FLOATS_PER_TEAM_THREAD : FLOATS_PER_THREAD);
     if (threads > enough) threads = enough;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads < 1) threads = 1;
@@ -126,6 +146,11 @@ static void split(void *(*fn)(void *), Job job, int64_t rows, int64_t row_floats
         jobs[t] = job;
         jobs[t].begin = rows * t / threads;
         jobs[t].end = rows * (t + 1) / threads;
+    }
+    if (gomp_parallel != NULL && threads > 1) {
+        Team team = {fn, jobs, threads, 0};
+        gomp_parallel(team_member, &team, (unsigned)threads, 0);
+        return;
     }
     for (int64_t t = 1; t < threads; t++) started[t] = pthread_create(&ids[t], NULL, fn, &jobs[t]) == 0;
     for (int64_t t = 1; t < threads; t++)

@@ -34,7 +34,7 @@ import warnings
 import torch
 from transformers.models.llama import modeling_llama
 
-from . import native
+from . import native, openmp
 
 FLAGS = ("-ffp-contract=off",)  # torch rounds a product before it is added: no fused multiply-adds
 MAX_WIDTH = 32768  # torch sums one row of at least its grain size (32768) in two passes across threads: not followed
@@ -63,6 +63,10 @@ def load() -> ctypes.CDLL | None:
     lib.rms_norm.restype = None
     lib.rotary.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64]
     lib.rotary.restype = None
+    runtime = openmp.torch_runtime()
+    if runtime is not None:  # rows split over the engine thread's OpenMP team (elementwise.c)
+        lib.use_openmp.argtypes = [_PTR]
+        lib.use_openmp(ctypes.cast(runtime.GOMP_parallel, _PTR))
     differs = _self_check(lib)
     if differs:
         warnings.warn(f"rollout: the fused RMSNorm / rotary kernels differ from torch's ops on this machine "
