@@ -77,21 +77,26 @@ def test_query_groups_and_pages_past_one_register_block_are_exact(heads, kv_head
 
 
 @pytest.mark.skipif("avx512f" not in native.cpuinfo("flags").split(), reason="the AVX-512 path is the only one here")
-def test_the_portable_loop_gives_the_same_attention_as_the_avx512_path(monkeypatch):
+@pytest.mark.parametrize("heads,kv_heads,dim,page,peak", [(12, 4, 64, 16, 1), (10, 2, 128, 24, 1), (8, 1, 32, 40, 1),
+                                                          (20, 4, 64, 4, 1), (8, 4, 64, 16, 40)],
+                         ids=["group-3", "group-5-dim-128-page-24", "group-8-dim-32-page-40", "group-5-page-4",
+                              "peaked"])
+def test_the_avx512_path_gives_the_portable_loops_bits(monkeypatch, heads, kv_heads, dim, page, peak):
+    # the same products, sums and exp in the same order: the AVX-512 path changes the speed, never a bit
     portable = decode_kernel.load(("-mno-avx512f",))
     if portable is None or decode_kernel.load() is None:
         pytest.skip("no C compiler: the kernel cannot be built")
-    lens = [1, 15, 16, 17, 33, 100]
-    keys, values, table, lens_t, positions, q = _case(len(lens), 12, 4, 64, 16, lens, seed=7)
-    expected = _reference(keys, values, table, lens_t, positions, q, 16, 1 / 8)
+    lens = [1, page - 1, page, page + 1, 3 * page + 5, 100]
+    keys, values, table, lens_t, positions, q = _case(len(lens), heads, kv_heads, dim, page, lens, seed=dim)
+    q = q * peak
     outs = []
     for lib in (decode_kernel.load(), portable):
         monkeypatch.setattr(decode_kernel, "load", lambda flags=(), lib=lib: lib)
-        outs.append(torch.empty(q.shape[0], 12, 64))
-        assert decode_kernel.paged_decode(q, keys, values, table, lens_t, positions, outs[-1], 16, None)
-    for out in outs:
-        assert (out[positions].double() - expected).abs().max().item() < 2e-6
-    assert not torch.equal(outs[0][positions], outs[1][positions])  # two paths, summed in different orders
+        outs.append(torch.empty(q.shape[0], heads, dim))
+        assert decode_kernel.paged_decode(q, keys, values, table, lens_t, positions, outs[-1], page, None)
+    assert torch.equal(outs[0][positions], outs[1][positions])
+    expected = _reference(keys, values, table, lens_t, positions, q, page, 1 / math.sqrt(dim))
+    assert (outs[0][positions].double() - expected).abs().max().item() < 2e-6 * peak
 
 
 @needs_kernel

@@ -178,16 +178,15 @@ static inline __attribute__((always_inline)) void page_heads(const Job *j, const
         }
         const float most = _mm512_reduce_max_ps(top);
         alpha[i] = expf(m[i] - most); /* 0 on the first page: m = -inf */
-        __m512 total = _mm512_setzero_ps();
         for (int64_t b0 = 0; b0 < n; b0 += 16) {
             const int64_t count = n - b0 < 16 ? n - b0 : 16;
             const __mmask16 live = (__mmask16)((1u << count) - 1u);
-            const __m512 w = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(s[i] + b0),
-                                                                          _mm512_set1_ps(most))));
-            _mm512_storeu_ps(s[i] + b0, w);
-            total = _mm512_add_ps(total, w);
+            _mm512_storeu_ps(s[i] + b0, _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(s[i] + b0),
+                                                                                     _mm512_set1_ps(most)))));
         }
-        l[i] = l[i] * alpha[i] + _mm512_reduce_add_ps(total);
+        float sum = 0.0f; /* in token order, as softmax_page adds them: both paths give the same bits */
+        for (int64_t t = 0; t < n; t++) sum += s[i][t];
+        l[i] = l[i] * alpha[i] + sum;
         m[i] = most;
     }
     for (int64_t e = 0; e < dv; e += 16 * B) {
