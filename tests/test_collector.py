@@ -148,7 +148,7 @@ def test_carried_rows_are_exact_under_each_tokens_version_across_two_and_three_u
                 spans.append(len(v.unique()))
                 seen |= set(v.tolist())
             if version is not None:
-                wait_progress(own)
+                wait_progress(own, tokens=2)  # soon, so rows in flight now outlive the next update too
                 own.update_weights(versions[version].state_dict(), in_flight="recompute")
     assert seen == {0, 1, 2, 3} and max(spans) == 3, spans  # rows carried across two updates, exact throughout
     assert_nothing_left(own)
