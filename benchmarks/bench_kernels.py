@@ -12,6 +12,8 @@ Each row is the mean of a timed loop after a warm-up, both paths in the same pro
   4 KV heads x 64, 2-4 query heads per KV head as in the 25M / ~100M / ~350M models; a 12-layer cache, one call per
   layer as the engine makes them, so each layer's keys come from memory, not the CPU cache): decode_kernel.c's
   portable loop (built with -mno-avx512f; the compiler's own vectorisation) against its AVX-512 path;
+- OpenMP: a [rows, 768] add and a SiLU of [rows, 2048] on a second thread (as the engine's forward runs), first with
+  the calling thread's OpenMP pool alive, then after openmp.release_callers_pool() (what the engine does at submit);
 - forward: one 64-token forward of the 25M model with its linears on oneDNN, through a TorchFunctionMode (the engine
   until 2026-12-03) against the patched nn.Linear.forward (now).
 Prints the machine card first (fp32 GEMM rate, CPU flags).
@@ -21,13 +23,14 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import threading
 import time
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 import machine  # benchmarks/machine.py: the GEMM rate and CPU flags
-from rollout.engine import decode_kernel, elementwise, onednn
+from rollout.engine import decode_kernel, elementwise, onednn, openmp
 from rollout.testing import build_tiny_model, load_tiny_model
 from transformers.models.llama import modeling_llama
 
@@ -105,6 +108,26 @@ def decode_rows(rows: int, portable) -> None:
              base, ours)
 
 
+def openmp_rows(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x, y, gate = torch.randn(rows, 768, generator=g), torch.randn(rows, 768, generator=g), torch.randn(rows, 2048)
+    ops = {"add": lambda: x + y, "SiLU": lambda: torch.nn.functional.silu(gate)}
+
+    def on_a_second_thread() -> dict[str, float]:
+        box = {}
+        worker = threading.Thread(target=lambda: box.update({k: mean_us(fn) for k, fn in ops.items()}))
+        worker.start()
+        worker.join()
+        return box
+
+    x + y  # the calling thread's pool exists, as after building a model or a training step
+    alive = on_a_second_thread()
+    openmp.release_callers_pool()
+    released = on_a_second_thread()
+    for name in ops:
+        line(f"{name} on a second thread (caller's OpenMP pool alive -> released)", rows, alive[name], released[name])
+
+
 def linear_rows(rows: int) -> None:
     g = torch.Generator().manual_seed(rows)
     for out_f, in_f in ((1536, 512), (512, 1536), (8192, 512)):
@@ -168,6 +191,9 @@ def main() -> None:
             decode_rows(r, portable)
     else:
         print("# no C compiler here: the fused kernels are not built")
+    if openmp.torch_runtime() is not None and torch.get_num_threads() > 1:
+        for r in rows:
+            openmp_rows(r)
     if onednn.available():
         for r in rows:
             linear_rows(r)

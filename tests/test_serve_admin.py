@@ -293,6 +293,9 @@ def test_pause_then_resume_gives_the_same_rows(admin, versions, mode):
     running = start_long(server, worker, 64, 4)
     assert call(server, "POST", f"/pause?mode={mode}", {}) == (200, {"status": "paused"})
     assert call(server, "GET", "/is_paused") == (200, {"is_paused": True})
+    deadline = time.monotonic() + 10
+    while mode == "wait" and running.running() and time.monotonic() < deadline:
+        time.sleep(0.01)  # its HTTP response may still be on its way to the client when /pause returns
     assert running.running() == (mode != "wait")  # "wait" returned once it finished; the others hold it
     waiting = background(complete, server, 64, 4)
     frozen = worker.metrics().sampled_tokens

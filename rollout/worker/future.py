@@ -57,6 +57,7 @@ class RolloutFuture:
     def as_completed(self, timeout: float | None = None) -> Iterator[RolloutBatch]:
         """Each prompt's group as soon as it is complete, in finishing order (see the module docstring). `timeout`
         bounds the whole iteration: TimeoutError once it passes with groups still running (the call goes on)."""
+        openmp.release_callers_pool()  # as in result()
         call = self._call
         deadline = None if timeout is None else time.monotonic() + timeout
         by_prompt: dict[int, list] = {}
