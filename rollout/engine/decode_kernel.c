@@ -70,28 +70,47 @@ static void softmax_page(int64_t heads, int64_t n, float (*s)[MAX_PAGE], float *
 
 #define MAX_ACC 16384
 
+/* A work item's query heads (decode row `row`, KV heads from h0): where each one's query is, and its running softmax
+   max and sum, started empty with its accumulator (heads x dv floats). */
+typedef struct {
+    float m[MAX_REP], l[MAX_REP];
+    const float *qs[MAX_REP];
+} Heads;
+
+static void begin_item(const Job *j, int64_t row, int64_t h0, int64_t heads, Heads *st, float *acc) {
+    for (int64_t i = 0; i < heads; i++) {
+        st->m[i] = -INFINITY;
+        st->l[i] = 0.0f;
+        st->qs[i] = j->q + j->qpos[row] * j->q_stride_t + (h0 * j->rep + i) * j->q_stride_h;
+    }
+    memset(acc, 0, sizeof(float) * heads * j->dv);
+}
+
+/* Each head's output: its accumulator over its softmax sum. */
+static void end_item(const Job *j, int64_t row, int64_t h0, int64_t heads, const Heads *st, const float *acc) {
+    for (int64_t i = 0; i < heads; i++) {
+        float *o = j->out + j->qpos[row] * j->out_stride_t + (h0 * j->rep + i) * j->out_stride_h;
+        const float norm = st->l[i] > 0.0f ? 1.0f / st->l[i] : 0.0f; /* a row with no keys (none in the engine): 0 */
+        for (int64_t e = 0; e < j->dv; e++) o[e] = acc[i * j->dv + e] * norm;
+    }
+}
+
 /* One work item: decode row `row`, KV heads h0..h1-1 (their rep query heads each). A page's keys of every head of the
    item are read together (consecutive bytes of the cache), then its values. */
 static void attend(const Job *j, int64_t row, int64_t h0, int64_t h1, float *acc, float (*s)[MAX_PAGE]) {
     const int64_t rep = j->rep, d = j->d, dv = j->dv, page = j->page, len = j->lens[row], heads = (h1 - h0) * rep;
     const int64_t token_stride = j->hkv * d, vtoken_stride = j->hkv * dv;
-    float m[MAX_REP], l[MAX_REP];
-    const float *qs[MAX_REP];
-    for (int64_t i = 0; i < heads; i++) {
-        m[i] = -INFINITY;
-        l[i] = 0.0f;
-        qs[i] = j->q + j->qpos[row] * j->q_stride_t + (h0 * rep + i) * j->q_stride_h;
-    }
-    memset(acc, 0, sizeof(float) * heads * dv);
+    Heads st;
+    begin_item(j, row, h0, heads, &st, acc);
     for (int64_t p = 0; p * page < len; p++) {
         const int64_t base = j->table[row * j->max_pages + p] * page;
         const int64_t n = len - p * page < page ? len - p * page : page;
         const float *kp = j->k + base * token_stride, *vp = j->v + base * vtoken_stride;
         for (int64_t t = 0; t < n; t++)
             for (int64_t i = 0; i < heads; i++)
-                s[i][t] = dot(qs[i], kp + t * token_stride + (h0 + i / rep) * d, d) * j->scale;
+                s[i][t] = dot(st.qs[i], kp + t * token_stride + (h0 + i / rep) * d, d) * j->scale;
         float alpha[MAX_REP];
-        softmax_page(heads, n, s, m, l, alpha);
+        softmax_page(heads, n, s, st.m, st.l, alpha);
         for (int64_t i = 0; i < heads; i++) {
             float *a = acc + i * dv;
             for (int64_t e = 0; e < dv; e++) a[e] *= alpha[i];
@@ -103,11 +122,7 @@ static void attend(const Job *j, int64_t row, int64_t h0, int64_t h1, float *acc
                 for (int64_t e = 0; e < dv; e++) a[e] += w * vt[e];
             }
     }
-    for (int64_t i = 0; i < heads; i++) {
-        float *o = j->out + j->qpos[row] * j->out_stride_t + (h0 * rep + i) * j->out_stride_h;
-        const float norm = l[i] > 0.0f ? 1.0f / l[i] : 0.0f; /* a row with no keys (none in the engine) gives 0 */
-        for (int64_t e = 0; e < dv; e++) o[e] = acc[i * dv + e] * norm;
-    }
+    end_item(j, row, h0, heads, &st, acc);
 }
 
 #if defined(__AVX512F__)
@@ -211,20 +226,14 @@ static inline __attribute__((always_inline)) void page_heads(const Job *j, const
 /* attend() with each page's heads through page_heads, the next page's keys and values of the item's heads prefetched
    while this one is computed (a page spans several 4 KiB memory pages, where hardware prefetchers stop); 0 where the
    head sizes do not allow it (nothing written). The portable loop is auto-vectorised at the width the compiler's
-   tuning prefers (128 bits for some AVX-512 cores); this is 1.2-1.4x that on the benchmark's decode steps. */
+   tuning prefers (128 bits for gcc 12 on this project's AMD cores); this gives its bits, faster (decode_kernel.py). */
 static int attend_vector(const Job *j, int64_t row, int64_t h0, int64_t h1, float *acc, float (*s)[MAX_PAGE]) {
     const int64_t rep = j->rep, d = j->d, dv = j->dv, page = j->page, len = j->lens[row], heads = (h1 - h0) * rep;
     if (d % 16 || dv % 16) return 0;
     const int wide = dv % 64 == 0;
     const int64_t token_stride = j->hkv * d, vtoken_stride = j->hkv * dv;
-    float m[MAX_REP], l[MAX_REP];
-    const float *qs[MAX_REP];
-    for (int64_t i = 0; i < heads; i++) {
-        m[i] = -INFINITY;
-        l[i] = 0.0f;
-        qs[i] = j->q + j->qpos[row] * j->q_stride_t + (h0 * rep + i) * j->q_stride_h;
-    }
-    memset(acc, 0, sizeof(float) * heads * dv);
+    Heads st;
+    begin_item(j, row, h0, heads, &st, acc);
     for (int64_t p = 0; p * page < len; p++) {
         const int64_t base = j->table[row * j->max_pages + p] * page;
         const int64_t n = len - p * page < page ? len - p * page : page;
@@ -247,20 +256,16 @@ static int attend_vector(const Job *j, int64_t row, int64_t h0, int64_t h1, floa
 #define HEADS(C)                                                                                          \
     case C:                                                                                               \
         if (wide)                                                                                         \
-            page_heads(j, qs + i, kp, vp, n, C, 4, m + i, l + i, acc + i * dv, (float(*)[MAX_PAGE])s[i]); \
+            page_heads(j, st.qs + i, kp, vp, n, C, 4, st.m + i, st.l + i, acc + i * dv, s + i);        \
         else                                                                                              \
-            page_heads(j, qs + i, kp, vp, n, C, 1, m + i, l + i, acc + i * dv, (float(*)[MAX_PAGE])s[i]); \
+            page_heads(j, st.qs + i, kp, vp, n, C, 1, st.m + i, st.l + i, acc + i * dv, s + i);        \
         break;
                 switch (c) { HEADS(1) HEADS(2) HEADS(3) HEADS(4) }
 #undef HEADS
             }
         }
     }
-    for (int64_t i = 0; i < heads; i++) {
-        float *o = j->out + j->qpos[row] * j->out_stride_t + (h0 * rep + i) * j->out_stride_h;
-        const float norm = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-        for (int64_t e = 0; e < dv; e++) o[e] = acc[i * dv + e] * norm;
-    }
+    end_item(j, row, h0, heads, &st, acc);
     return 1;
 }
 #else
