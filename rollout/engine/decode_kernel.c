@@ -95,6 +95,12 @@ static void end_item(const Job *j, int64_t row, int64_t h0, int64_t heads, const
     }
 }
 
+/* The first cache row of decode row `row`'s page p, and how many of its tokens the row holds (len in all). */
+static inline int64_t page_base(const Job *j, int64_t row, int64_t p) { return j->table[row * j->max_pages + p] * j->page; }
+static inline int64_t page_tokens(const Job *j, int64_t len, int64_t p) {
+    return len - p * j->page < j->page ? len - p * j->page : j->page;
+}
+
 /* One work item: decode row `row`, KV heads h0..h1-1 (their rep query heads each). A page's keys of every head of the
    item are read together (consecutive bytes of the cache), then its values. */
 static void attend(const Job *j, int64_t row, int64_t h0, int64_t h1, float *acc, float (*s)[MAX_PAGE]) {
@@ -103,8 +109,7 @@ static void attend(const Job *j, int64_t row, int64_t h0, int64_t h1, float *acc
     Heads st;
     begin_item(j, row, h0, heads, &st, acc);
     for (int64_t p = 0; p * page < len; p++) {
-        const int64_t base = j->table[row * j->max_pages + p] * page;
-        const int64_t n = len - p * page < page ? len - p * page : page;
+        const int64_t base = page_base(j, row, p), n = page_tokens(j, len, p);
         const float *kp = j->k + base * token_stride, *vp = j->v + base * vtoken_stride;
         for (int64_t t = 0; t < n; t++)
             for (int64_t i = 0; i < heads; i++)
@@ -235,12 +240,10 @@ static int attend_vector(const Job *j, int64_t row, int64_t h0, int64_t h1, floa
     Heads st;
     begin_item(j, row, h0, heads, &st, acc);
     for (int64_t p = 0; p * page < len; p++) {
-        const int64_t base = j->table[row * j->max_pages + p] * page;
-        const int64_t n = len - p * page < page ? len - p * page : page;
+        const int64_t base = page_base(j, row, p), n = page_tokens(j, len, p);
         if ((p + 1) * page < len) {
-            const int64_t next = j->table[row * j->max_pages + p + 1] * page;
-            const int64_t m1 = len - (p + 1) * page < page ? len - (p + 1) * page : page;
-            for (int64_t t = 0; t < m1; t++) {
+            const int64_t next = page_base(j, row, p + 1), coming = page_tokens(j, len, p + 1);
+            for (int64_t t = 0; t < coming; t++) {
                 const char *kn = (const char *)(j->k + (next + t) * token_stride + h0 * d);
                 const char *vn = (const char *)(j->v + (next + t) * vtoken_stride + h0 * dv);
                 for (int64_t off = 0; off < (int64_t)sizeof(float) * (h1 - h0) * d; off += 64)
