@@ -96,7 +96,9 @@ static void end_item(const Job *j, int64_t row, int64_t h0, int64_t heads, const
 }
 
 /* The first cache row of decode row `row`'s page p, and how many of its tokens the row holds (len in all). */
-static inline int64_t page_base(const Job *j, int64_t row, int64_t p) { return j->table[row * j->max_pages + p] * j->page; }
+static inline int64_t page_base(const Job *j, int64_t row, int64_t p) {
+    return j->table[row * j->max_pages + p] * j->page;
+}
 static inline int64_t page_tokens(const Job *j, int64_t len, int64_t p) {
     return len - p * j->page < j->page ? len - p * j->page : j->page;
 }
@@ -136,8 +138,8 @@ static void attend(const Job *j, int64_t row, int64_t h0, int64_t h1, float *acc
 /* exp_lanes' polynomial on 16 lanes (x <= 0; 2^n by scalef). */
 static inline __m512 exp16(__m512 x) {
     const __m512 v = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 fn = _mm512_roundscale_ps(_mm512_fmadd_ps(v, _mm512_set1_ps(1.44269504088896341f),
-                                                           _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 half_up = _mm512_fmadd_ps(v, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+    const __m512 fn = _mm512_roundscale_ps(half_up, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(0.693359375f), v);
     r = _mm512_fmadd_ps(fn, _mm512_set1_ps(2.12194440e-4f), r);
     __m512 p = _mm512_set1_ps(1.9875691500E-4f);

@@ -16,9 +16,9 @@ scores 16 tokens at a time (a transpose-and-add network in place of one reductio
 and 1-4 query heads of a KV head accumulate their outputs in registers over a page, loading each value row once; the
 next page is prefetched while one is computed (a page spans several 4 KiB memory pages, where hardware prefetchers
 stop). The portable loop, which compilers vectorise at the width their tuning prefers (128 bits for gcc 12's guess at
-this project's AMD cores), serves every other case. Both paths round the same products, sums and exp in the same order, so the AVX-512 path gives
-the portable loop's bits (tested); it is 1.4-2.5x faster on GRPO-shaped decode steps with a 12-layer cache
-(bench_kernels.py).
+this project's AMD cores), serves every other case. Both paths round the same products, sums and exp in the same
+order, so the AVX-512 path gives the portable loop's bits (tested); per layer of a 12-layer cache it is 1.3-1.9x
+faster at ~160 keys a row and 1.13-1.19x at ~500, where memory bounds both (bench_kernels.py).
 Exactness: the same fp32 products, summed in another order; exp is Cephes' polynomial (within 2 ulp of expf).
 tests/test_decode_kernel.py checks it against an fp64 SDPA over the gathered keys, and test_attention.py the engine's
 rows against a teacher-forced forward.

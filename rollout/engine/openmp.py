@@ -5,14 +5,16 @@ that opens regions. The engine's forward runs on its own thread, so a process th
 thread (building the model, a training step) holds two pools. Once libgomp manages more threads than there are CPUs,
 it throttles every pool: a worker spins ~100 iterations after a region instead of ~300000, then sleeps on a futex,
 and each of the forward's next regions wakes it with a system call. Measured on a 2-core machine: a [128, 768] add on
-the engine's thread took 50-100 us with the caller's pool alive and 7-8 us without it (benchmarks/bench_kernels.py,
-"OpenMP"), and a whole forward has hundreds of such regions.
+a second thread took 15-100 us with the first thread's pool alive and 7-8 us without it (benchmarks/bench_kernels.py,
+its "on a second thread" rows), and a whole forward has hundreds of such regions.
 
 `release_callers_pool()` releases the calling thread's pool (OpenMP 5.0's `omp_pause_resource_all`, soft: libgomp
 lets that thread's idle workers exit). The engine calls it on the thread that submits a call, which then waits for
 the result or submits more; if that thread runs parallel ops again, libgomp starts its workers again (~0.1 ms), and
-both pools share the CPUs as they would anyway. Only libgomp is touched (the runtime of torch's Linux wheels); with
-another runtime, none at all, or `ROLLOUT_OPENMP=0`, this does nothing.
+both pools share the CPUs as they would anyway. `torch_runtime()` is the libgomp the C kernels hand their splits to
+(decode_kernel.c, elementwise.c), so they run on the engine thread's own team. Only libgomp is touched (the runtime of
+torch's Linux wheels); with another runtime, none at all, or `ROLLOUT_OPENMP=0`, nothing is released and the kernels
+keep POSIX threads of their own.
 """
 
 from __future__ import annotations
