@@ -30,7 +30,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import machine  # benchmarks/machine.py: the GEMM rate and CPU flags
-from rollout.engine import decode_kernel, elementwise, onednn, openmp
+from rollout.engine import decode_kernel, elementwise, native, onednn, openmp
 from rollout.testing import build_tiny_model, load_tiny_model
 from transformers.models.llama import modeling_llama
 
@@ -168,12 +168,6 @@ def _live(fn):
         onednn.packed = packed
 
 
-def machine_flags() -> list[str]:
-    from rollout.engine import native
-
-    return native.cpuinfo("flags").split()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="4,16,64,128,512")
@@ -186,7 +180,8 @@ def main() -> None:
     if elementwise.load() is not None and decode_kernel.load() is not None:
         for r in rows:
             elementwise_rows(r)
-        portable = decode_kernel.load(("-mno-avx512f",)) if "avx512f" in machine_flags() else None
+        portable = decode_kernel.load(("-mno-avx512f",)) if "avx512f" in native.cpuinfo("flags").split() \
+            else None
         for r in (r for r in rows if portable is not None and r >= 8):
             decode_rows(r, portable)
     else:

@@ -86,13 +86,12 @@ def test_the_decode_kernel_on_the_openmp_team_equals_it_on_its_own_threads():
     try:
         for team in (True, False):
             if not team:
-                lib.use_openmp(None, None)  # the kernel's POSIX threads
+                lib.use_openmp(None)  # the kernel's POSIX threads
             out = torch.empty_like(q)
             assert decode_kernel.paged_decode(q, keys, values, table, torch.tensor(lens), torch.arange(rows), out,
                                               page, 1 / math.sqrt(64))
             outs.append(out)
     finally:
-        lib.use_openmp(ctypes.cast(runtime.GOMP_parallel, ctypes.c_void_p),
-                       ctypes.cast(runtime.omp_get_thread_num, ctypes.c_void_p))
+        lib.use_openmp(ctypes.cast(runtime.GOMP_parallel, ctypes.c_void_p))
         torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1])  # a row's result does not depend on which thread ran it

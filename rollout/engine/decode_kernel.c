@@ -304,12 +304,8 @@ static void *run(void *arg) {
    own OpenMP team, whose workers are already spinning between the forward's parallel ops. POSIX threads of our own
    would have to share the CPUs with those spinning workers. */
 static void (*gomp_parallel)(void (*)(void *), void *, unsigned, unsigned) = NULL;
-static int (*gomp_thread_num)(void) = NULL;
 
-void use_openmp(void *parallel, void *thread_num) {
-    gomp_parallel = (void (*)(void (*)(void *), void *, unsigned, unsigned))parallel;
-    gomp_thread_num = (int (*)(void))thread_num;
-}
+void use_openmp(void *parallel) { gomp_parallel = (void (*)(void (*)(void *), void *, unsigned, unsigned))parallel; }
 
 typedef struct {
     const Job *jobs;

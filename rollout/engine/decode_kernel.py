@@ -51,8 +51,8 @@ def load(flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         lib.paged_write.restype = ctypes.c_int
         runtime = openmp.torch_runtime()
         if runtime is not None:  # the kernel's threads are the engine thread's OpenMP team (decode_kernel.c)
-            lib.use_openmp.argtypes = [_PTR, _PTR]
-            lib.use_openmp(ctypes.cast(runtime.GOMP_parallel, _PTR), ctypes.cast(runtime.omp_get_thread_num, _PTR))
+            lib.use_openmp.argtypes = [_PTR]
+            lib.use_openmp(ctypes.cast(runtime.GOMP_parallel, _PTR))
     return lib
 
 
