@@ -203,6 +203,7 @@ def test_eviction_keeps_memory_under_the_budget_and_drops_the_least_recently_use
         prompt = [p, p + 1000]
         completions[p] = [rng.randrange(5000) for _ in range(30)]
         index.record(prompt, completions[p])
+        index.row(prompt).propose(1)  # a lookup indexes the completion: its n-grams count from then on
         assert 0 < index.memory_bytes <= 0.05 * 2**20
         if p >= 1:
             index.row([0, 1000])  # prompt 0 is drafted for after every record: the most recently used
@@ -222,10 +223,27 @@ def test_memory_bytes_tracks_what_the_history_really_allocates():
         for p in range(30):
             for _ in range(8):
                 index.record([p] * 40, [rng.randrange(300) for _ in range(rng.randrange(50, 250))])
+            if p % 2:
+                index.row([p] * 40).propose(1)  # half the prompts looked up, so indexed; the rest stored only
         traced = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
     assert 0.75 < index.memory_bytes / traced < 1.33
+
+
+def test_a_recorded_completion_is_indexed_by_the_first_lookup_that_needs_it_and_counted_then():
+    index = DraftIndex(HISTORY)
+    index.record(PROMPT, [1, 2, 3, 4, 5])
+    stored = index.memory_bytes
+    row = index.row(PROMPT)
+    assert index.memory_bytes == stored  # recorded and drafted for, not yet looked up: tokens only
+    assert row.propose(2) == [1, 2]  # the prompt's last tokens lead into the completion
+    indexed = index.memory_bytes
+    assert indexed - stored == drafts_module.INDEX_ENTRY_BYTES * 5 * 3  # 5 followers x n-grams of 2, 3 and 4
+    index.record(PROMPT, [1, 2, 9, 9])  # a later sample of the group: seen by the row's next lookup
+    assert index.memory_bytes == indexed + drafts_module.TOKEN_BYTES * 4 + drafts_module.COMPLETION_BYTES
+    row.extend([1, 2])
+    assert row.propose(2) == [9, 9]  # the most recent completion wins
 
 
 def test_a_prompt_keeps_only_its_most_recent_completions():

@@ -18,6 +18,7 @@ from rollout import RolloutWorker, SamplingParams, WorkerConfig
 from rollout.base.errors import InvalidArgument
 from rollout.base.speculation import Speculation
 from rollout.engine import speculator as speculator_module
+from rollout.engine.drafts import DraftIndex
 from rollout.testing import build_tiny_model, load_tiny_model
 
 TOL = 1e-5
@@ -321,6 +322,59 @@ def test_auto_drafts_where_the_measured_cost_model_says_it_pays():
     fresh = StepCosts()
     fresh.observe(4, 0.01, verify=False)
     assert best_draft_length(4, 0.9, 4, fresh) == 1  # the next width is tried once, which measures it
+
+
+def test_auto_counts_how_often_drafts_are_found_and_what_looking_costs():
+    from rollout.engine.speculator import StepCosts, best_draft_length
+
+    flat = StepCosts()
+    for tokens in (1, 2, 4, 8, 16, 32, 64, 128):
+        flat.observe(tokens, 0.010, verify=False)
+    # a verify bucket never measured takes the plain step's cost: where drafts are rarely found a verify step may
+    # never run, and "tried once" would otherwise be tried every step
+    assert flat.cost(40, verify=True) == flat.cost(40, verify=False)
+    assert best_draft_length(4, 0.8, 4, flat, found=1.0) == 4
+    assert best_draft_length(4, 0.8, 4, flat, found=0.02) == 0  # a random model: drafts almost never found
+    assert best_draft_length(4, 0.8, 4, flat, found=1.0, host=0.01) == 0  # lookups cost a step per request
+    assert best_draft_length(4, 0.8, 4, flat, found=1.0, host=1e-5) == 4
+
+
+def test_auto_probes_a_few_requests_now_and_then_while_the_cost_model_says_no():
+    from rollout.engine import speculator as spec_module
+
+    speculator = spec_module.Speculator(Speculation(mode="auto", drafts=("context",)),
+                                        DraftIndex(Speculation(drafts=("context",))), lambda _: True)
+    for tokens in (8, 16, 32, 64, 128):
+        speculator.costs.observe(tokens, 0.010, verify=False)  # thin steps cost the same whatever their width
+    speculator.offers.found = 0.0  # offers have found nothing so far: the cost model says no
+    speculator.offers.step_seconds_total = 1.0  # a second of steps: a probe's lookups fit the budget
+    every, probes = spec_module.PROBE_EVERY, []
+    for step in range(2 * every + 3):
+        assert speculator.begin(32, 4096) == (speculator.k > 0)
+        probes.append((speculator.k, speculator.offers_left) if speculator.probe else None)
+    assert [i for i, p in enumerate(probes) if p] == [0, every + 1, 2 * every + 2]  # PROBE_EVERY steps between
+    assert probes[0] == (1, spec_module.PROBE_ROWS)  # one draft token each, to a few requests
+    speculator.offers.probe_seconds = 1.0  # probes' lookups took the whole budget: no more
+    for _ in range(spec_module.PROBE_EVERY + 1):
+        speculator.begin(32, 4096)
+        assert not speculator.probe
+    compute_bound = spec_module.Speculator(Speculation(mode="auto"), DraftIndex(Speculation()), lambda _: True)
+    for tokens in (8, 16, 32, 64, 128, 256):
+        compute_bound.costs.observe(tokens, 0.001 * tokens, verify=False)
+    compute_bound.offers.found, compute_bound.offers.step_seconds_total = 0.0, 1.0
+    assert not compute_bound.begin(32, 4096) and not compute_bound.probe  # no drafts could pay here: no probe
+
+
+def test_auto_learns_step_costs_from_decode_and_verify_steps_only(tiny):
+    model, tok = tiny
+    with RolloutWorker(model, WorkerConfig(speculation=Speculation(mode="auto")), tokenizer=tok) as worker:
+        speculator = worker.engine._speculator
+        seen = []
+        original = speculator.costs.observe
+        speculator.costs.observe = lambda tokens, seconds, verify: seen.append(tokens) or original(tokens, seconds,
+                                                                                                    verify)
+        worker.generate(prompts_of([40, 40]), SamplingParams(max_new_tokens=6, ignore_eos=True, seed=1))
+    assert seen and max(seen) <= 2 * (1 + Speculation().max_draft_tokens)  # never the 80-token prompt step
 
 
 def test_auto_mode_drafts_thin_steps_and_keeps_rows_identical(tiny, monkeypatch):

@@ -289,8 +289,6 @@ class Engine:
             trace.sampled(request_ids, time.perf_counter())
 
     def _trace_step(self, start: float, end: float) -> None:
-        if self._speculator is not None:
-            self._speculator.timed(end - start)
         trace = self.trace
         if trace is not None:
             trace.step(start, end)

@@ -5,7 +5,8 @@ Pure Python, on the host, called per decoding row per step, so every lookup is a
 - `DraftIndex` (one per engine) holds the "history": for each prompt (its exact ids), the completions recorded for it
   (`record`: earlier calls and epochs, and samples of the same group that finished earlier in this call) and an index
   from every n-gram of them (min_ngram..max_ngram tokens, the prompt's last tokens included, so a row is drafted from
-  its first token) to what followed its last occurrence in the most recent completion. Bounded by
+  its first token) to what followed its last occurrence in the most recent completion, built by the first lookup
+  that needs a completion (recording one only stores its tokens). Bounded by
   `history_memory_mb`: past it, whole prompts are forgotten, least recently used (recorded or drafted for) first;
   a prompt also keeps only its `MAX_COMPLETIONS` most recent completions.
 - `RowDrafts` (one per request, from `DraftIndex.row(prompt)`) holds the row's tokens and, for "context", an index
@@ -20,7 +21,8 @@ and the row drafts from the others, or not at all; no exception leaves `record`,
 
 Cost (CPython 3.11, process CPU time on this project's shared 2-core machine; `test_propose_is_cheap` bounds it):
 propose(4) on a row of 300 tokens with both sources: 0.6-1.0 us on a hit, 1.3-1.5 us when no suffix matches (every
-length tried in both); extend and record ~1.5 us per token; row() indexes a new prompt once
+length tried in both); extend, and indexing a recorded completion at its first lookup, ~1.5 us per token (recording
+it ~0.1 us); row() indexes a new prompt once
 (~0.2-0.3 ms for 300 tokens) and the other samples of that prompt copy its index (~15 us).
 """
 
@@ -28,8 +30,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..base.speculation import Speculation
 
@@ -38,7 +41,8 @@ LOG = logging.getLogger("rollout")
 MAX_COMPLETIONS = 32  # per prompt: four epochs of n = 8; older ones are dropped when twice as many are held
 POSITION_STRIDE = 1 << 32  # a history index value: completion number * POSITION_STRIDE + the follower's position
 # What the history holds, in bytes (CPython 3.11, 64-bit; tests/test_drafts.py checks it against tracemalloc):
-TOKEN_BYTES = 8  # a stored token: one tuple slot (the ints themselves are shared)
+TOKEN_BYTES = 4  # a stored completion token: an int32 in its completion's array
+COMPLETION_BYTES = 120  # a stored completion: its array object and its slot in the prompt's list
 INDEX_ENTRY_BYTES = 112  # an n-gram: its dict slot, its key tuple (2-4 slots) and its value int
 PROMPT_OVERHEAD_BYTES = 400  # a prompt's record: its object, its lists, its index dict when empty
 
@@ -78,47 +82,62 @@ class ContextSource:
 
 
 class PromptHistory:
-    """One prompt's recorded completions and the index of their n-grams. `state` is swapped whole when old
-    completions are dropped, so a lookup on another thread reads one consistent (completions, index)."""
+    """One prompt's recorded completions and the index of their n-grams. A completion is indexed when a lookup first
+    needs it, not when it is recorded: where "auto" drafts nothing (a random model, compute-bound steps), indexing
+    every finished row was the largest part of what speculation cost the engine (~5% of a tiny model's loop).
+    `state` is swapped whole when old completions are dropped, so a lookup reads one consistent (completions,
+    index, number indexed)."""
 
-    __slots__ = ("tail", "min_ngram", "max_ngram", "state", "tokens")
+    __slots__ = ("prompt", "tail", "min_ngram", "max_ngram", "state", "tokens", "grown")
 
-    def __init__(self, prompt: tuple[int, ...], min_ngram: int, max_ngram: int) -> None:
-        self.tail = prompt[-max_ngram:]
+    def __init__(self, prompt: tuple[int, ...], min_ngram: int, max_ngram: int,
+                 grown: Callable[["PromptHistory", int], None] = lambda history, nbytes: None) -> None:
+        self.prompt, self.tail = prompt, prompt[-max_ngram:]  # `prompt`: the owner's key (the same tuple)
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
-        self.state: tuple[list[tuple[int, ...]], dict[tuple[int, ...], int]] = ([], {})
+        self.state: tuple[list[array], dict[tuple[int, ...], int], int] = ([], {}, 0)
         self.tokens = 0  # completion tokens held
+        self.grown = grown  # told the bytes indexing added (the owner's memory budget)
 
-    def add(self, completion: tuple[int, ...]) -> None:
-        completions, index = self.state
+    def add(self, completion: Sequence[int]) -> None:
+        completion = array("i", completion)  # 4 bytes a token (a tuple's slots and int objects: 8-40)
+        completions = self.state[0]
         if len(completions) >= 2 * MAX_COMPLETIONS:
             kept = completions[-MAX_COMPLETIONS:]
-            self.state, self.tokens = ([], {}), 0
-            for old in kept:
-                self.add(old)
-            completions, index = self.state
-        number = len(completions)
+            self.state, self.tokens = (kept, {}, 0), sum(map(len, kept))  # indexed again when next looked up
+            completions = kept
         completions.append(completion)
         self.tokens += len(completion)
-        seq, offset = self.tail + completion, len(self.tail)
-        low, high = self.min_ngram, self.max_ngram
-        for follower in range(offset, len(seq)):
-            value = number * POSITION_STRIDE + follower - offset
-            for n in range(low, min(high, follower) + 1):
-                index[seq[follower - n: follower]] = value
 
     def lookup(self, key: tuple[int, ...], k: int) -> list[int] | None:
-        completions, index = self.state
+        completions, index, indexed = self.state
+        if indexed < len(completions):
+            completions, index, _ = self._index()
         value = index.get(key)
         if value is None:
             return None
         number, start = divmod(value, POSITION_STRIDE)
         return list(completions[number][start: start + k]) or None
 
+    def _index(self) -> tuple:
+        """Index the completions recorded since the last lookup, the most recent last (its n-grams win)."""
+        completions, index, indexed = self.state
+        before = len(index)
+        low, high, tail = self.min_ngram, self.max_ngram, self.tail
+        offset = len(tail)
+        for number in range(indexed, len(completions)):
+            seq = tail + tuple(completions[number])
+            for follower in range(offset, len(seq)):
+                value = number * POSITION_STRIDE + follower - offset
+                for n in range(low, min(high, follower) + 1):
+                    index[seq[follower - n: follower]] = value
+        self.state = (completions, index, len(completions))
+        self.grown(self, INDEX_ENTRY_BYTES * (len(index) - before))
+        return self.state
+
     @property
     def nbytes(self) -> int:
-        completions, index = self.state
-        return (PROMPT_OVERHEAD_BYTES + TOKEN_BYTES * (len(self.tail) + self.tokens) + 56 * len(completions)
+        completions, index, _ = self.state
+        return (PROMPT_OVERHEAD_BYTES + TOKEN_BYTES * self.tokens + COMPLETION_BYTES * len(completions)
                 + INDEX_ENTRY_BYTES * len(index))
 
 
@@ -205,7 +224,7 @@ class DraftIndex:
             with self._guard:
                 history = self._history(tuple(prompt))
                 before = history.nbytes
-                history.add(tuple(completion))
+                history.add(completion)
                 self._bytes += history.nbytes - before
                 self._evict()
         except Exception as error:  # noqa: BLE001 - history is an optimisation; the engine must not see this
@@ -254,11 +273,19 @@ class DraftIndex:
         """The prompt's history, made the most recently used (created empty if new). Under the lock."""
         history = self._prompts.get(prompt)
         if history is None:
-            history = self._prompts[prompt] = PromptHistory(prompt, self.spec.min_ngram, self.spec.max_ngram)
+            history = self._prompts[prompt] = PromptHistory(prompt, self.spec.min_ngram, self.spec.max_ngram,
+                                                            self._grown)
             self._bytes += history.nbytes
         else:
             self._prompts.move_to_end(prompt)
         return history
+
+    def _grown(self, history: PromptHistory, nbytes: int) -> None:
+        """A lookup indexed completions of `history` (on the engine thread): their bytes count, if it is still held."""
+        with self._guard:
+            if self._prompts.get(history.prompt) is history:
+                self._bytes += nbytes
+                self._evict()
 
     def _evict(self) -> None:
         while self._bytes > self.budget and self._prompts:

@@ -10,23 +10,35 @@ The verify mechanics live in upstream/verify.py; this is the engine's side of it
 - `begin(num_decoding, token_budget)`: the step's draft length, never more than lets every decoding request fit the
   step's token budget with its drafts. "always" drafts that far; "auto" picks by the cost model below, and rests a
   request whose own drafts keep failing (its acceptance, a moving average, below `MIN_ACCEPTANCE`) or whose sources
-  found nothing for it `MAX_MISSES` steps in a row: `REST_STEPS` steps undrafted, its drafter not even fed (on a
-  random model, feeding and looking up were ~10% of the engine loop for ~15 drafted tokens a call), then a retry.
+  found nothing for it `MAX_MISSES` steps in a row: `REST_STEPS` steps undrafted, its drafter not even fed, then a
+  retry.
 - `done(request_id, prompt, completion)`: a model turn that finished feeds the history source (same-prompt drafts).
 - `verified(rows)`: per verify row, drafted and accepted counts (metrics, the calls' stats, "auto"'s acceptance).
 
 The cost model ("auto") is measured on this machine as the engine runs, never assumed: `StepCosts` keeps a moving
-average of a forward's seconds by its query tokens (powers-of-two buckets, interpolated), fed by every step. Draft
+average of a step's seconds by its query tokens (powers-of-two buckets, interpolated), fed by every step. Draft
 acceptance is geometric: each draft is kept with probability q given the one before it was (estimated from what
-verify steps kept). For D decoding requests and k drafts each, a step emits D (1 + q + ... + q^k) tokens in
-cost(D (1 + k)) seconds; "auto" drafts the k with the most tokens per second if that beats plain decoding by
-`MIN_GAIN`, which is 0 where the forward's cost grows with its tokens (wide steps on a compute-bound device) or where
-drafts are rarely kept. A bucket never measured yet is tried once (that step measures it).
+verify steps kept); a request offered a draft gets one with probability h (its sources found something and it was
+not resting), and looking costs c seconds of the engine thread per request offered (both moving averages of what
+offering cost and found). For D decoding requests and k drafts, a step emits D (1 + h (q + ... + q^k)) tokens in
+cost(D (1 + h k)) + D c seconds; "auto" drafts the k with the most tokens per second if that beats plain decoding by
+`MIN_GAIN`, which is 0 where the forward's cost grows with its tokens (wide steps on a compute-bound device), where
+drafts are rarely kept, or where they are rarely found (a random model: the lookups were 12% of its engine loop
+when every step offered them). A bucket never measured yet is tried once (that step measures it).
+
+Steps are timed on the engine thread from scheduling to update (a verify row's lookups, wider forward, read-back and
+rollback all cost there), and only steps whose every query token is sampled (decode and verify rows) are kept.
+
+While the model says no, h and q would never be measured again (a policy that starts repeating itself, a second
+epoch's history): "auto" then probes, offering one draft token each to the first `PROBE_ROWS` requests of a step
+whose width could pay with drafts found and kept often enough (`GOOD_DRAFTS`), at most every `PROBE_EVERY` steps
+and while the probes' lookups stay under `PROBE_SHARE` of the engine's step seconds.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,11 +57,17 @@ MAX_MISSES = 2  # "auto": steps in a row with no draft found before a request re
 SWEEP_EVERY = 1024  # proposals between sweeps of the drafters of requests no longer live
 PRIOR_ACCEPTANCE = 0.3  # q before any verify step kept or rejected a draft (worth two verify rows)
 MIN_GAIN = 1.1  # "auto" drafts only where the model predicts at least this many times plain decoding's tokens/s
+PRIOR_FOUND = 0.5  # h before any request was offered a draft (worth two offers)
+PROBE_ROWS = 16  # requests offered one draft token each in a probe step ("auto", while the cost model says no)
+PROBE_EVERY = 32  # steps at least between two probes
+PROBE_SHARE = 0.01  # probes' lookups, at most this share of the engine's step seconds
+GOOD_DRAFTS = 0.9  # q at which a step width is probed: drafts found and kept that often would pay there
+EVERY_REQUEST = 1 << 62  # offers_left outside a probe
 
 
 class StepCosts:
-    """Moving averages of a forward's query tokens and seconds in power-of-two buckets of its tokens, apart for steps
-    with and without verify rows (a verify row's attention runs another path than a decode row's). A width between
+    """Moving averages of a forward's query tokens and seconds in power-of-two buckets of its tokens (steps whose
+    every query token is sampled: decode and verify rows), apart for steps with and without verify rows (a verify row's attention runs another path than a decode row's). A width between
     two measured buckets is interpolated; past the last one of its bucket, scaled as if linear (never optimistic)."""
 
     def __init__(self) -> None:
@@ -66,7 +84,13 @@ class StepCosts:
             (0.8 * old[0] + 0.2 * tokens, 0.8 * old[1] + 0.2 * seconds)
 
     def cost(self, tokens: int, verify: bool) -> float | None:
-        """Seconds a forward of `tokens` query tokens takes, or None if its bucket was never measured."""
+        """Seconds a forward of `tokens` query tokens takes, or None if its bucket was never measured (a verify
+        step's bucket never measured takes a plain step's: a step whose requests were offered drafts and found none
+        runs plain, so a verify bucket may never be measured where drafts are rarely found)."""
+        seconds = self._cost(tokens, verify)
+        return self._cost(tokens, False) if seconds is None and verify else seconds
+
+    def _cost(self, tokens: int, verify: bool) -> float | None:
         b = self.bucket(tokens)
         here = self.points.get((verify, b))
         if here is None:
@@ -94,22 +118,62 @@ class Acceptance:
         return self.kept / (self.kept + self.rejected)
 
 
-def best_draft_length(rows: int, q: float, max_k: int, costs: StepCosts) -> int:
+def best_draft_length(rows: int, q: float, max_k: int, costs: StepCosts, found: float = 1.0,
+                      host: float = 0.0) -> int:
     """The drafts per request (0..max_k) with the most tokens per second for a step of `rows` decoding requests, if
     that beats plain decoding by `MIN_GAIN` (the model's own error margin); a bucket never measured is tried
-    (returned) once it is the next candidate."""
+    (returned) once it is the next candidate. `found`: the share of requests that get a draft (h); `host`: seconds of
+    the engine thread per request offered one (c)."""
     plain = costs.cost(rows, verify=False)
     if plain is None:
         return 0  # plain steps of this width measure themselves first
-    best, best_rate, emitted = 0, MIN_GAIN * rows / plain, 1.0
+    best, best_rate, kept = 0, MIN_GAIN * rows / plain, 0.0
     for k in range(1, max_k + 1):
-        emitted += q ** k
-        seconds = costs.cost(rows * (1 + k), verify=True)
+        kept += q ** k
+        seconds = costs.cost(rows + max(1, round(rows * found * k)), verify=True)
         if seconds is None:
             return k  # never measured: this step measures it
-        if rows * emitted / seconds > best_rate:
-            best, best_rate = k, rows * emitted / seconds
+        rate = rows * (1.0 + found * kept) / (seconds + rows * host)
+        if rate > best_rate:
+            best, best_rate = k, rate
     return best
+
+
+class Offers:
+    """What offering drafts to requests found and cost ("auto"): h, the share of offered requests that got a draft,
+    and c, engine-thread seconds per request offered; moving averages over steps. Also the seconds probes spent."""
+
+    def __init__(self) -> None:
+        self.offered, self.found = 2.0, 2.0 * PRIOR_FOUND
+        self.per_request = 0.0  # c: unknown until measured (a first step that offers measures it)
+        self.step_offered, self.step_found, self.step_seconds = 0, 0, 0.0
+        self.probe_seconds = 0.0  # what probe steps' lookups took
+        self.step_seconds_total = 0.0  # the steps' seconds since the engine started (scheduling to update)
+        self.since_probe = PROBE_EVERY  # steps since the last probe
+
+    def offer(self, found: bool, seconds: float) -> None:
+        self.step_offered += 1
+        self.step_found += found
+        self.step_seconds += seconds
+
+    def end_step(self, probe: bool) -> None:
+        """Fold the last step's offers into the moving averages."""
+        self.since_probe = 0 if probe else self.since_probe + 1
+        if self.step_offered:
+            self.offered = 0.9 * self.offered + self.step_offered
+            self.found = 0.9 * self.found + self.step_found
+            per_request = self.step_seconds / self.step_offered
+            self.per_request = per_request if not self.per_request else 0.8 * self.per_request + 0.2 * per_request
+            if probe:
+                self.probe_seconds += self.step_seconds
+        self.step_offered, self.step_found, self.step_seconds = 0, 0, 0.0
+
+    @property
+    def h(self) -> float:
+        return self.found / self.offered
+
+    def may_probe(self) -> bool:
+        return self.since_probe >= PROBE_EVERY and self.probe_seconds <= PROBE_SHARE * self.step_seconds_total
 
 
 @dataclass
@@ -146,7 +210,10 @@ class Speculator:
         self.counts = SpeculationCounts()
         self.costs = StepCosts()
         self.acceptance = Acceptance()
+        self.offers = Offers()
         self.k = spec.max_draft_tokens if spec.mode == "always" else 0  # drafts per request this step
+        self.probe = False  # "auto": this step offers drafts to a few requests only, to measure h and q
+        self.offers_left = EVERY_REQUEST  # requests this step may still offer drafts to (a probe: `PROBE_ROWS`)
         self._verifier: Verifier | None = None
         self._proposals = 0
 
@@ -164,14 +231,21 @@ class Speculator:
 
     def verifier(self) -> Verifier:
         """The hooks a new manager's scheduler, runner and processor call (upstream/verify.py)."""
-        self._verifier = Verifier(propose=self.propose, on_verified=self.verified, begin=self.begin)
+        self._verifier = Verifier(propose=self.propose, on_verified=self.verified, begin=self.begin,
+                                  on_step=self.timed)
         return self._verifier
 
     def timed(self, seconds: float) -> None:
-        """A step's forward took this long (engine thread, after the step): the cost model learns it."""
-        verifier = self._verifier
-        if verifier is not None and verifier.step_tokens:
-            self.costs.observe(verifier.step_tokens, seconds, verify=verifier.verified_step)
+        """A step took this long on the engine thread, scheduling to update (after its update): the cost model
+        learns it."""
+        verifier, offers = self._verifier, self.offers
+        offers.step_seconds_total += seconds
+        if verifier is not None and verifier.step_tokens and verifier.sampled_only:
+            # decode and verify steps only: a prompt chunk's tokens compute no logits, so a step with one costs
+            # less per token than the verify step it would be taken for (by ~the lm_head's share of the forward).
+            # The step's lookups are left out: the model adds them per request offered.
+            self.costs.observe(verifier.step_tokens, max(seconds - offers.step_seconds, 0.0),
+                               verify=verifier.verified_step)
 
     def done(self, request_id: str, prompt: list[int] | None = None, completion: list[int] | None = None) -> None:
         """A request is over: a finished model turn (prompt and completion given) feeds the history source."""
@@ -189,23 +263,46 @@ class Speculator:
                     draft_rolled_back_tokens=counts.rolled_back, draft_verify_row_steps=counts.verify_rows,
                     draft_history_bytes=int(self.index.memory_bytes))
 
-    def begin(self, num_decoding: int, token_budget: int) -> None:
+    def begin(self, num_decoding: int, token_budget: int) -> bool:
         """A step is being scheduled with this many decoding requests: its draft length, at most what lets every
-        decoding request fit the step's token budget with its drafts ("auto": the cost model's pick)."""
+        decoding request fit the step's token budget with its drafts ("auto": the cost model's pick, or a probe).
+        Returns whether the step drafts at all."""
+        self._begin(num_decoding, token_budget)
+        return self.k > 0
+
+    def _begin(self, num_decoding: int, token_budget: int) -> None:
         fits = token_budget // num_decoding - 1 if num_decoding else 0
         longest = max(0, min(self.spec.max_draft_tokens, fits))
-        if self.spec.mode == "auto":
-            self.k = best_draft_length(num_decoding, self.acceptance.q, longest, self.costs) if longest else 0
-        else:
+        if self.spec.mode != "auto":
             self.k = longest
+            return
+        offers = self.offers
+        offers.end_step(self.probe)
+        self.k, self.probe, self.offers_left = 0, False, EVERY_REQUEST
+        if not longest:
+            return
+        q = self.acceptance.q
+        self.k = best_draft_length(num_decoding, q, longest, self.costs, offers.h, offers.per_request)
+        if self.k or not offers.may_probe():
+            return
+        if best_draft_length(num_decoding, GOOD_DRAFTS, longest, self.costs):  # a width where drafts could pay
+            self.k, self.probe, self.offers_left = 1, True, PROBE_ROWS
 
     def propose(self, state) -> list[int]:
-        if self.k < 1:
+        if self.k < 1 or self.offers_left < 1:
             return []
         left = None if state.max_new_tokens is None else state.max_new_tokens - state.generated_len()
         mode, k = self.spec.mode, self.k if left is None else min(self.k, left - 1)
         if k < 1 or not self.eligible(state.request_id):
             return []
+        self.offers_left -= 1
+        start = time.perf_counter()
+        draft = self._draft(state, k, mode)
+        if mode == "auto":
+            self.offers.offer(bool(draft), time.perf_counter() - start)
+        return draft
+
+    def _draft(self, state, k: int, mode: str) -> list[int]:
         self._sweep()
         try:
             resting = self.rows.get(state.request_id)

@@ -39,16 +39,20 @@ class RolloutScheduler(FIFOScheduler):
             self.block_new_requests = False
         if self.verifier is not None:
             decoding = sum(s.status == RequestStatus.DECODING for s in self.active_requests.values())
-            self.verifier.begin(decoding, token_budget)
+            self.verifier.start(decoding, token_budget)
         scheduled = super().schedule_batch(token_budget, cache_budget)
         if self.on_schedule is not None:
             self.on_schedule(self.cache)
         return scheduled
 
     def _infer_request_tokens(self, state, request_ids_to_remove_from_waiting) -> list[int]:
-        was_pending = state.status == RequestStatus.PENDING and not state.is_cpu_offloaded
-        if state.status == RequestStatus.DECODING and self.verifier is not None:
-            return self.verifier.tokens(state, self.cache)  # its next token, then its drafts
+        status = state.status
+        if status == RequestStatus.DECODING:  # upstream's own answer, without its prefix-sharing branch's checks
+            verifier = self.verifier
+            if verifier is not None and (verifier.drafting or len(state.tokens_to_process) > 1):
+                return verifier.tokens(state, self.cache)  # its next token, then its drafts
+            return state.tokens_to_process
+        was_pending = status == RequestStatus.PENDING and not state.is_cpu_offloaded
         tokens = super()._infer_request_tokens(state, request_ids_to_remove_from_waiting)
         # a hit moves the request out of PENDING with its position advanced past the cached tokens, once
         if was_pending and state.status != RequestStatus.PENDING and state.position_offset > 0 \

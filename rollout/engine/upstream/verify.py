@@ -24,6 +24,7 @@ Sync steps only (no async batching: the next step's inputs depend on this one's 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -65,20 +66,39 @@ class Verifier:
 
     propose: Propose
     on_verified: Verified = lambda rows: None  # noqa: E731
-    # a step is being scheduled: its decoding requests and its token budget
-    begin: Callable[[int, int], None] = lambda num_decoding, token_budget: None  # noqa: E731
+    # a step is being scheduled: its decoding requests and its token budget; returns whether it may draft at all
+    begin: Callable[[int, int], bool] = lambda num_decoding, token_budget: True  # noqa: E731
+    drafting: bool = True  # whether the step being scheduled may draft (`start`)
+    # a step's seconds on the engine thread, scheduling to update (the speculator's cost model)
+    on_step: Callable[[float], None] = lambda seconds: None  # noqa: E731
+    started: float = 0.0  # when the step in flight began scheduling (0: none)
     drafted: dict[str, Drafted] = field(default_factory=dict)
     plan_: Plan | None = None
     step_tokens: int = 0  # query tokens of the last step prepared (for the speculator's cost model)
     verified_step: bool = False  # whether that step had verify rows
+    sampled_only: bool = False  # whether every query token of that step was sampled (no prompt chunk in it)
     extras: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # tokens after the first, per request
 
     # ------------------------------------------------------------------ scheduling
+    def start(self, num_decoding: int, token_budget: int) -> None:
+        """A step is being scheduled with this many decoding requests."""
+        self.started = time.perf_counter()
+        self.drafting = bool(self.begin(num_decoding, token_budget))
+
+    def ended(self) -> None:
+        """The step's update is done: its seconds from scheduling on, which is what a verify row costs (its drafts'
+        lookups, its wider forward, its read-back and rollback), not its forward alone."""
+        if self.started:
+            self.on_step(time.perf_counter() - self.started)
+            self.started = 0.0
+
     def tokens(self, state: RequestState, cache) -> list[int]:
         """A decoding request's tokens for the step being scheduled: its next token, then its drafts (if any). Drafts
-        only where the cache has the pages for them now (a draft never makes a request wait, nor preempts one)."""
+        only where the cache has the pages for them now (a draft never makes a request wait, nor preempts one).
+        Called for every decoding request of a step that drafts, and for one still holding drafts of a step it was
+        left out of."""
         base = state.tokens_to_process[:1]
-        drafts = self.propose(state) if base else []
+        drafts = self.propose(state) if base and self.drafting else []
         if drafts and not cache.can_store_request_tokens(state, 1 + len(drafts), dry_run=True):
             drafts = []
         if drafts:
@@ -103,11 +123,13 @@ class Verifier:
         """After the step's inputs are laid out (positions advanced): which logits rows to compute, or None for a
         step without drafts. `slots`: the sampling rows' slots, in order."""
         self.step_tokens = sum(future.query_length for future in requests_in_batch)
-        scheduled = {future.state.request_id for future in requests_in_batch}
-        for request_id in [r for r in self.drafted if r not in scheduled]:
-            del self.drafted[request_id]  # scheduled for drafts, then left out of the step (budgets)
+        if self.drafted:
+            scheduled = {future.state.request_id for future in requests_in_batch}
+            for request_id in [r for r in self.drafted if r not in scheduled]:
+                del self.drafted[request_id]  # scheduled for drafts, then left out of the step (budgets)
         self.verified_step = bool(self.drafted)
         if not self.drafted:
+            self.sampled_only = self.step_tokens == len(slots)
             self.plan_ = None
             return None
         first, extra, extra_slots, rows = [], [], [], []
@@ -126,6 +148,7 @@ class Verifier:
                 extra_slots.extend([slots[len(first) - 1]] * k)
             start += length
         base = len(first)
+        self.sampled_only = self.step_tokens == base + len(extra)
         rows = [(base + column, k) if k else (0, 0) for column, k in rows]
         self.plan_ = Plan(torch.tensor(first + extra, dtype=torch.long).to(device),
                           torch.tensor(slots + extra_slots, dtype=torch.int32).to(device), rows)
@@ -238,8 +261,12 @@ class RolloutProcessor(ContinuousBatchProcessor):
 
     def update_batch(self) -> None:
         verifier = self.verifier
-        if verifier is None or not verifier.drafted:
+        if verifier is None:
             return super().update_batch()
-        held = verifier.hold_blocks(self.inputs_and_outputs.requests_in_batch)
-        super().update_batch()
-        verifier.settle(self, held)
+        if not verifier.drafted:
+            super().update_batch()
+        else:
+            held = verifier.hold_blocks(self.inputs_and_outputs.requests_in_batch)
+            super().update_batch()
+            verifier.settle(self, held)
+        verifier.ended()
