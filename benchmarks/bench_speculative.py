@@ -3,6 +3,8 @@
     python benchmarks/bench_speculative.py --offline               # the acceptance table (trains the policy once)
     python benchmarks/bench_speculative.py --offline --prompts 4   # a smoke run
     python benchmarks/bench_speculative.py --rounds 3              # the engine: off vs "auto" vs "always", timed
+    python benchmarks/bench_speculative.py --workloads longtail     # one workload (policy, longtail, random)
+    python benchmarks/bench_speculative.py --workloads oracle --rounds 2   # drafts always right: the engine's ceiling
 
 Engine mode (without --offline): each mode in a fresh worker, modes interleaved round by round; each worker first
 runs one untimed step of the same shape on other prompts (`warm_up`), then both epochs timed. With --rounds > 1 a
@@ -13,7 +15,13 @@ Workloads (functions, so each mode runs the same steps):
   benchmarks/.cache/), prompted with snippets of held-out stdlib modules; GRPO-shaped steps: `--prompts` prompts,
   n = 8, budgets 32/64/128 new tokens in turn (ragged), two epochs over the same prompts (other seeds), at T = 1 and
   at T = 0.7 with top_p 0.95.
+- `longtail_workload`: the same policy and prompts, the long tail of a GRPO step: one group in 16 runs to 256 new
+  tokens, the others stop at 32, so the step ends with a few groups' rows decoding alone (thin steps, where a verify
+  row costs about what a plain one does). Both epochs, both temperatures.
 - `random_workload`: rollout.testing's tiny random Llama (where drafts fail), the same steps at T = 1.
+- `oracle` (engine mode only): what the engine does when drafts are right, whatever a source would find: a random
+  25M Llama (init std 0.02), 1 / 4 / 16 / 64 rows of 64 new tokens at T = 1, drafts replayed from the plain run of
+  the same call (`rollout.testing.replay`, every draft right), speculation off vs "auto" vs "always".
 
 `--offline`: the completions are sampled by a `RolloutWorker` with speculation off, then replayed through
 `rollout.engine.drafts` as the engine would see them: one `DraftIndex` per configuration, kept across both epochs;
@@ -49,6 +57,7 @@ import policy  # noqa: E402  benchmarks/policy.py: the trained policy
 
 N = 8
 BUDGETS = (32, 64, 128)
+LONG_TAIL = (32,) * 15 + (256,)  # budgets of the long-tail workload: one group in 16 runs 8x longer
 TEMPERATURES = {"T=1": dict(temperature=1.0), "T=0.7/top_p=0.95": dict(temperature=0.7, top_p=0.95)}
 SOURCES = {"context": dict(drafts=("context",)), "history": dict(drafts=("history",)),
            "both": dict(drafts=("context", "history")), "both, history first": dict(drafts=("history", "context")),
@@ -65,6 +74,7 @@ class Workload:
     prompts: list[list[int]]
     temperatures: dict[str, dict]
     epochs: int = 2
+    budgets: tuple[int, ...] = BUDGETS  # prompt i's max_new_tokens: budgets[i % len(budgets)]
 
 
 def policy_workload(num_prompts: int, steps: int = policy.STEPS) -> tuple[Workload, dict]:
@@ -73,6 +83,11 @@ def policy_workload(num_prompts: int, steps: int = policy.STEPS) -> tuple[Worklo
     _, tokenizer, card = policy.load_policy(steps)
     return Workload("stdlib policy", str(path), policy.held_out_prompts(tokenizer, num_prompts),
                     TEMPERATURES), card
+
+
+def longtail_workload(policy_load: Workload) -> Workload:
+    """The policy's prompts with a long tail of budgets (`LONG_TAIL`)."""
+    return Workload("stdlib long tail", policy_load.path, policy_load.prompts, TEMPERATURES, budgets=LONG_TAIL)
 
 
 def random_workload(num_prompts: int, root: str) -> Workload:
@@ -88,8 +103,9 @@ def random_workload(num_prompts: int, root: str) -> Workload:
 
 
 def grpo_sampling(workload: Workload, temperature: str, epoch: int) -> list[SamplingParams]:
-    """One GRPO-shaped step: n = 8 per prompt, budgets 32/64/128 in turn, seeds that differ by epoch."""
-    return [SamplingParams(n=N, max_new_tokens=BUDGETS[i % len(BUDGETS)], seed=1000 * epoch + i,
+    """One GRPO-shaped step: n = 8 per prompt, the workload's budgets in turn, seeds that differ by epoch."""
+    budgets = workload.budgets
+    return [SamplingParams(n=N, max_new_tokens=budgets[i % len(budgets)], seed=1000 * epoch + i,
                            **workload.temperatures[temperature]) for i in range(len(workload.prompts))]
 
 
@@ -185,8 +201,10 @@ def run_mode(args, mode: str, rows_of, print_rows) -> dict:
     print(f"policy: {workload.path}\n  {json.dumps(card)}")
     rows = []
     with tempfile.TemporaryDirectory() as root:
-        for w in (workload, random_workload(args.prompts, root)):
-            rows += rows_of(w)
+        workloads = dict(policy=lambda: workload, longtail=lambda: longtail_workload(workload),
+                         random=lambda: random_workload(args.prompts, root))
+        for name in args.workloads.split(","):
+            rows += rows_of(workloads[name]())
     print_rows(rows)
     return dict(mode=mode, policy=card, rows=rows)
 
@@ -234,26 +252,16 @@ def warm_up(worker, workload: Workload, temperature: str) -> None:
     """One untimed step of the same shape on prompts of the same lengths that are none of the workload's (each one
     reversed), with other seeds: oneDNN builds its kernels for the step's row counts and "auto" measures its cost
     buckets here, not in the timed epochs; the history index never sees a workload prompt."""
-    prompts = [list(reversed(p)) for p in workload.prompts]
-    sampling = [SamplingParams(n=N, max_new_tokens=BUDGETS[i % len(BUDGETS)], seed=7919 + i,
+    prompts, budgets = [list(reversed(p)) for p in workload.prompts], workload.budgets
+    sampling = [SamplingParams(n=N, max_new_tokens=budgets[i % len(budgets)], seed=7919 + i,
                                **workload.temperatures[temperature]) for i in range(len(prompts))]
     worker.generate(prompts, sampling)
 
 
 def timed_epoch(worker, workload: Workload, temperature: str, epoch: int) -> dict:
-    import time
-
-    before = worker.metrics()
-    start = time.perf_counter()
-    batch = worker.generate(workload.prompts, grpo_sampling(workload, temperature, epoch))
-    seconds = time.perf_counter() - start
-    after = worker.metrics()
-    verifies = after.draft_verify_row_steps - before.draft_verify_row_steps
-    accepted = batch.stats.get("accepted_tokens", 0)
-    return dict(seconds=seconds, tokens=int(batch.completion_mask.sum()), ids=batch.completion_token_lists(),
-                drafted=batch.stats.get("draft_tokens", 0), accepted=accepted,
-                per_verify=(accepted + verifies) / verifies if verifies else 1.0,
-                gap=logprob_gap(worker, batch, workload.temperatures[temperature]["temperature"]))
+    run = timed_call(worker, workload.prompts, grpo_sampling(workload, temperature, epoch))
+    del run["batch"]
+    return run
 
 
 def logprob_gap(worker, batch, temperature: float, rows: int = 8) -> float:
@@ -296,7 +304,66 @@ def print_engine(rows: list[dict]) -> None:
                   + ", ".join(f"{x:.2f}" for x in speedups) + " |")
 
 
+ORACLE_ROWS = (1, 4, 16, 64)
+
+
+def oracle_rows(rounds: int, root: str) -> list[dict]:
+    """Off, "auto" and "always" on the 25M Llama with drafts replayed from the off run of the same call."""
+    import random
+
+    from rollout import Speculation, WorkerConfig
+    from rollout.engine import speculator
+    from rollout.testing import SIZES, build_tiny_model
+    from rollout.testing.replay import ReplayDrafts
+
+    path = str(build_tiny_model(os.path.join(root, "llama-25m"), size="25m", init_std=0.02))
+    vocab, rows_out, index = SIZES["25m"][-1], [], speculator.DraftIndex
+    for count in ORACLE_ROWS:
+        rng = random.Random(count)
+        prompts = [[rng.randrange(10, 500) for _ in range(32)] for _ in range(count)]
+        params = SamplingParams(max_new_tokens=64, ignore_eos=True, temperature=1.0, seed=3)
+        for round_ in range(rounds):
+            runs = {}
+            for mode in MODES:
+                spec = None if mode == "off" else Speculation(mode=mode)
+                if mode != "off":
+                    speculator.DraftIndex = ReplayDrafts.of_batch(runs["off"]["batch"], vocab, wrong_every=10**9)
+                try:
+                    with RolloutWorker(path, WorkerConfig(speculation=spec)) as worker:
+                        worker.generate([p[::-1] for p in prompts], SamplingParams(max_new_tokens=64, seed=9))
+                        runs[mode] = timed_call(worker, prompts, params)
+                finally:
+                    speculator.DraftIndex = index
+            off = runs["off"]
+            for mode in MODES[1:]:
+                run = runs[mode]
+                rows_out.append(dict(workload=f"25m, drafts right, {count} rows", sampling="T=1", round=round_,
+                                     epoch=1, mode=mode, speedup=off["seconds"] / run["seconds"],
+                                     tok_s_off=off["tokens"] / off["seconds"], tok_s=run["tokens"] / run["seconds"],
+                                     same_tokens=same_fraction(off["ids"], run["ids"]),
+                                     **{k: run[k] for k in ("drafted", "accepted", "per_verify", "gap")}))
+    return rows_out
+
+
+def timed_call(worker, prompts, params) -> dict:
+    before = worker.metrics()
+    start = time.perf_counter()
+    batch = worker.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    verifies = worker.metrics().draft_verify_row_steps - before.draft_verify_row_steps
+    accepted = batch.stats.get("accepted_tokens", 0)
+    return dict(seconds=seconds, tokens=int(batch.completion_mask.sum()), ids=batch.completion_token_lists(),
+                batch=batch, drafted=batch.stats.get("draft_tokens", 0), accepted=accepted,
+                per_verify=(accepted + verifies) / verifies if verifies else 1.0,
+                gap=logprob_gap(worker, batch, params.temperature))
+
+
 def run_engine(args) -> dict:
+    if args.workloads == "oracle":
+        with tempfile.TemporaryDirectory() as root:
+            rows = oracle_rows(args.rounds, root)
+        print_engine(rows)
+        return dict(mode="engine", rows=[{k: v for k, v in r.items()} for r in rows])
     return run_mode(args, "engine", lambda w: engine_rows(w, args.rounds), print_engine)
 
 
@@ -306,9 +373,12 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16, help="prompts per step (n = 8 samples each)")
     parser.add_argument("--policy-steps", type=int, default=policy.STEPS, help="the policy's training steps")
     parser.add_argument("--rounds", type=int, default=1, help="engine mode: interleaved rounds of off/auto/always")
+    parser.add_argument("--workloads", default="policy,longtail,random",
+                        help="comma-separated, of policy (GRPO budgets), longtail, random; or oracle alone")
     args = parser.parse_args()
     print(f"machine: {machine.card()}")
-    print(f"workload: {args.prompts} prompts x n={N}, budgets {BUDGETS}, 2 epochs; draft lengths {DRAFT_LENGTHS}")
+    print(f"workload: {args.prompts} prompts x n={N}, budgets {BUDGETS} (long tail: 32, one group in 16 256), "
+          f"2 epochs; draft lengths {DRAFT_LENGTHS}")
     result = run_offline(args) if args.offline else run_engine(args)
     print(json.dumps(result))
 

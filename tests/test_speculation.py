@@ -20,6 +20,7 @@ from rollout.base.speculation import Speculation
 from rollout.engine import speculator as speculator_module
 from rollout.engine.drafts import DraftIndex
 from rollout.testing import build_tiny_model, load_tiny_model
+from rollout.testing.replay import ReplayDrafts
 
 TOL = 1e-5
 VOCAB = 512
@@ -30,43 +31,9 @@ def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
     return [torch.randint(10, 500, (n,), generator=gen).tolist() for n in lengths]
 
 
-class ReplayRow:
-    def __init__(self, sequences: list[list[int]], prompt: list[int], wrong_every: int) -> None:
-        self.sequences, self.tokens, self.wrong_every = sequences, list(prompt), wrong_every
-
-    def extend(self, tokens) -> None:
-        self.tokens.extend(tokens)
-
-    def propose(self, k: int) -> list[int]:
-        n = len(self.tokens)
-        for sequence in self.sequences:
-            if sequence[:n] == self.tokens:
-                drafts = sequence[n:n + k]
-                return [(t + 1) % VOCAB if (n + i) % self.wrong_every == 0 else t for i, t in enumerate(drafts)]
-        return []
-
-
-class Replay:
+def Replay(batch, wrong_every: int = 3) -> ReplayDrafts:
     """A draft index that replays the full sequences (prompt + completion) of a plain run."""
-
-    def __init__(self, batch, wrong_every: int = 3) -> None:
-        self.sequences = [list(batch.prompt_ids[r]) + batch.completion_ids[r, : int(batch.completion_lengths[r])]
-                          .tolist() for r in range(len(batch))]
-        self.wrong_every = wrong_every
-        self.recorded = 0
-        self.memory_bytes = 0
-
-    def __call__(self, spec):  # stands in for DraftIndex(spec)
-        return self
-
-    def row(self, prompt):
-        return ReplayRow(self.sequences, prompt, self.wrong_every)
-
-    def record(self, prompt, completion) -> None:
-        self.recorded += 1
-
-    def clear(self) -> None:
-        pass
+    return ReplayDrafts.of_batch(batch, VOCAB, wrong_every)
 
 
 def speculative(config: WorkerConfig, max_draft_tokens: int = 4) -> WorkerConfig:
@@ -211,14 +178,14 @@ def test_rows_with_penalties_are_never_drafted_and_others_still_are(tiny, monkey
 def test_a_failing_draft_source_gives_no_drafts_and_the_same_rows(tiny, monkeypatch):
     model, tok = tiny
 
-    class Broken(Replay):
+    class Broken(ReplayDrafts):
         def row(self, prompt):
             raise RuntimeError("draft source down")
 
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=15, ignore_eos=True, seed=3)
     with RolloutWorker(model, WorkerConfig(), tokenizer=tok) as worker:
         plain = worker.generate(prompts_of([7]), params)
-    monkeypatch.setattr(speculator_module, "DraftIndex", Broken(plain))
+    monkeypatch.setattr(speculator_module, "DraftIndex", Broken.of_batch(plain, VOCAB))
     with RolloutWorker(model, speculative(WorkerConfig()), tokenizer=tok) as worker:
         drafted = worker.generate(prompts_of([7]), params)
         assert worker.engine._speculator.counts.verify_rows == 0

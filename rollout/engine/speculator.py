@@ -59,7 +59,7 @@ PRIOR_ACCEPTANCE = 0.3  # q before any verify step kept or rejected a draft (wor
 MIN_GAIN = 1.1  # "auto" drafts only where the model predicts at least this many times plain decoding's tokens/s
 PRIOR_FOUND = 0.5  # h before any request was offered a draft (worth two offers)
 PROBE_ROWS = 16  # requests offered one draft token each in a probe step ("auto", while the cost model says no)
-PROBE_EVERY = 32  # steps at least between two probes
+PROBE_EVERY = 16  # steps at least between two probes
 PROBE_SHARE = 0.01  # probes' lookups, at most this share of the engine's step seconds
 GOOD_DRAFTS = 0.9  # q at which a step width is probed: drafts found and kept that often would pay there
 EVERY_REQUEST = 1 << 62  # offers_left outside a probe
@@ -159,9 +159,9 @@ class Offers:
     def end_step(self, probe: bool) -> None:
         """Fold the last step's offers into the moving averages."""
         self.since_probe = 0 if probe else self.since_probe + 1
-        if self.step_offered:
-            self.offered = 0.9 * self.offered + self.step_offered
-            self.found = 0.9 * self.found + self.step_found
+        if self.step_offered:  # quick to follow: a probe of one request that finds a draft moves h halfway to 1
+            self.offered = 0.5 * self.offered + self.step_offered
+            self.found = 0.5 * self.found + self.step_found
             per_request = self.step_seconds / self.step_offered
             self.per_request = per_request if not self.per_request else 0.8 * self.per_request + 0.2 * per_request
             if probe:
