@@ -355,7 +355,7 @@ def timed_call(worker, prompts, params) -> dict:
     return dict(seconds=seconds, tokens=int(batch.completion_mask.sum()), ids=batch.completion_token_lists(),
                 batch=batch, drafted=batch.stats.get("draft_tokens", 0), accepted=accepted,
                 per_verify=(accepted + verifies) / verifies if verifies else 1.0,
-                gap=logprob_gap(worker, batch, params.temperature))
+                gap=logprob_gap(worker, batch, (params[0] if isinstance(params, list) else params).temperature))
 
 
 def run_engine(args) -> dict:

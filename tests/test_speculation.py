@@ -277,7 +277,7 @@ def test_auto_drafts_where_the_measured_cost_model_says_it_pays():
     from rollout.engine.speculator import StepCosts, best_draft_length
 
     flat, linear = StepCosts(), StepCosts()
-    for tokens in (1, 2, 4, 8, 16, 32, 64, 128):
+    for tokens in (1, 2, 4, 8, 16, 32, 64, 128) * 2:  # twice: a bucket's first measurement is taken as cold
         flat.observe(tokens, 0.010, verify=False)
         flat.observe(tokens, 0.011, verify=True)
         linear.observe(tokens, 0.001 * tokens, verify=False)
@@ -288,18 +288,36 @@ def test_auto_drafts_where_the_measured_cost_model_says_it_pays():
     assert best_draft_length(4, 0.9, 4, StepCosts()) == 0  # plain steps measure themselves first
     fresh = StepCosts()
     fresh.observe(4, 0.01, verify=False)
-    assert best_draft_length(4, 0.9, 4, fresh) == 1  # the next width is tried once, which measures it
+    assert fresh.cost(8, verify=True) == 0.02  # a width never measured: scaled from the one below, as if linear
+    assert best_draft_length(4, 0.9, 4, fresh) == 0  # so nothing measured near it is never taken
+    assert best_draft_length(4, 0.9, 4, fresh, explore=True) == 1  # a probe tries the next width, which measures it
+    assert fresh.cost(8, verify=True, extrapolate=False) is None
+    for _ in range(2):
+        fresh.observe(8, 0.01, verify=True)  # k = 1 pays (as cheap as a plain step) ...
+    # ... so the first length past it in a width never measured is tried (16 tokens; 12 is costed from 8 as if linear)
+    assert best_draft_length(4, 0.9, 4, fresh) == 3
 
 
 def test_auto_counts_how_often_drafts_are_found_and_what_looking_costs():
     from rollout.engine.speculator import StepCosts, best_draft_length
 
     flat = StepCosts()
-    for tokens in (1, 2, 4, 8, 16, 32, 64, 128):
+    for tokens in (1, 2, 4, 8, 16, 32, 64, 128) * 2:
         flat.observe(tokens, 0.010, verify=False)
     # a verify bucket never measured takes the plain step's cost: where drafts are rarely found a verify step may
     # never run, and "tried once" would otherwise be tried every step
     assert flat.cost(40, verify=True) == flat.cost(40, verify=False)
+    cold = StepCosts()
+    cold.observe(8, 0.050, verify=True)  # a bucket's first step: new kernels' shapes, fresh pages
+    cold.observe(8, 0.010, verify=True)
+    assert cold.cost(8, verify=True) == 0.010  # the second replaces it; averaged from then on
+    cold.observe(8, 0.020, verify=True)
+    assert cold.cost(8, verify=True) == pytest.approx(0.012)
+    noisy = StepCosts()
+    noisy.observe(4, 0.010, verify=False)
+    noisy.observe(4, 0.005, verify=True)  # measured at another moment, cheaper by noise
+    assert noisy.cost(4, verify=True) == 0.010  # never taken to cost less than a plain step
+    assert best_draft_length(4, 0.1, 4, noisy, found=0.05) == 0
     assert best_draft_length(4, 0.8, 4, flat, found=1.0) == 4
     assert best_draft_length(4, 0.8, 4, flat, found=0.02) == 0  # a random model: drafts almost never found
     assert best_draft_length(4, 0.8, 4, flat, found=1.0, host=0.01) == 0  # lookups cost a step per request
@@ -311,7 +329,7 @@ def test_auto_probes_a_few_requests_now_and_then_while_the_cost_model_says_no():
 
     speculator = spec_module.Speculator(Speculation(mode="auto", drafts=("context",)),
                                         DraftIndex(Speculation(drafts=("context",))), lambda _: True)
-    for tokens in (8, 16, 32, 64, 128):
+    for tokens in (8, 16, 32, 64, 128, 8, 16, 32, 64, 128):  # each twice: a first measurement may be cold
         speculator.costs.observe(tokens, 0.010, verify=False)  # thin steps cost the same whatever their width
     speculator.offers.found = 0.0  # offers have found nothing so far: the cost model says no
     speculator.offers.step_seconds_total = 1.0  # a second of steps: a probe's lookups fit the budget
@@ -320,13 +338,13 @@ def test_auto_probes_a_few_requests_now_and_then_while_the_cost_model_says_no():
         assert speculator.begin(32, 4096) == (speculator.k > 0)
         probes.append((speculator.k, speculator.offers_left) if speculator.probe else None)
     assert [i for i, p in enumerate(probes) if p] == [0, every + 1, 2 * every + 2]  # PROBE_EVERY steps between
-    assert probes[0] == (1, spec_module.PROBE_ROWS)  # one draft token each, to a few requests
+    assert probes[0] == (3, spec_module.PROBE_ROWS)  # the drafts good ones would pay best at (128 tokens), to a few
     speculator.offers.probe_seconds = 1.0  # probes' lookups took the whole budget: no more
     for _ in range(spec_module.PROBE_EVERY + 1):
         speculator.begin(32, 4096)
         assert not speculator.probe
     compute_bound = spec_module.Speculator(Speculation(mode="auto"), DraftIndex(Speculation()), lambda _: True)
-    for tokens in (8, 16, 32, 64, 128, 256):
+    for tokens in (8, 16, 32, 64, 128, 256) * 2:
         compute_bound.costs.observe(tokens, 0.001 * tokens, verify=False)
     compute_bound.offers.found, compute_bound.offers.step_seconds_total = 0.0, 1.0
     assert not compute_bound.begin(32, 4096) and not compute_bound.probe  # no drafts could pay here: no probe

@@ -24,15 +24,16 @@ offering cost and found). For D decoding requests and k drafts, a step emits D (
 cost(D (1 + h k)) + D c seconds; "auto" drafts the k with the most tokens per second if that beats plain decoding by
 `MIN_GAIN`, which is 0 where the forward's cost grows with its tokens (wide steps on a compute-bound device), where
 drafts are rarely kept, or where they are rarely found (a random model: the lookups were 12% of its engine loop
-when every step offered them). A bucket never measured yet is tried once (that step measures it).
+when every step offered them).
 
 Steps are timed on the engine thread from scheduling to update (a verify row's lookups, wider forward, read-back and
 rollback all cost there), and only steps whose every query token is sampled (decode and verify rows) are kept.
 
 While the model says no, h and q would never be measured again (a policy that starts repeating itself, a second
-epoch's history): "auto" then probes, offering one draft token each to the first `PROBE_ROWS` requests of a step
-whose width could pay with drafts found and kept often enough (`GOOD_DRAFTS`), at most every `PROBE_EVERY` steps
-and while the probes' lookups stay under `PROBE_SHARE` of the engine's step seconds.
+epoch's history): "auto" then probes, offering drafts to the first `PROBE_ROWS` requests of a step whose width
+could pay with drafts found and kept often enough (`GOOD_DRAFTS`), as many as would pay there or as reach the next
+width never measured, at most every `PROBE_EVERY` steps and while the probes' lookups stay under `PROBE_SHARE` of
+the engine's step seconds.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ SWEEP_EVERY = 1024  # proposals between sweeps of the drafters of requests no lo
 PRIOR_ACCEPTANCE = 0.3  # q before any verify step kept or rejected a draft (worth two verify rows)
 MIN_GAIN = 1.1  # "auto" drafts only where the model predicts at least this many times plain decoding's tokens/s
 PRIOR_FOUND = 0.5  # h before any request was offered a draft (worth two offers)
-PROBE_ROWS = 16  # requests offered one draft token each in a probe step ("auto", while the cost model says no)
+PROBE_ROWS = 16  # requests offered drafts in a probe step ("auto", while the cost model says no)
 PROBE_EVERY = 16  # steps at least between two probes
 PROBE_SHARE = 0.01  # probes' lookups, at most this share of the engine's step seconds
 GOOD_DRAFTS = 0.9  # q at which a step width is probed: drafts found and kept that often would pay there
@@ -66,12 +67,16 @@ EVERY_REQUEST = 1 << 62  # offers_left outside a probe
 
 
 class StepCosts:
-    """Moving averages of a forward's query tokens and seconds in power-of-two buckets of its tokens (steps whose
-    every query token is sampled: decode and verify rows), apart for steps with and without verify rows (a verify row's attention runs another path than a decode row's). A width between
-    two measured buckets is interpolated; past the last one of its bucket, scaled as if linear (never optimistic)."""
+    """Moving averages of a step's query tokens and seconds in power-of-two buckets of its tokens (steps whose
+    every query token is sampled: decode and verify rows), apart for steps with and without verify rows (a verify
+    step also pays its read-back and rollback). A width between two measured buckets is interpolated; past the last
+    one of its bucket, and in a bucket never measured above one that was, scaled as if linear (never optimistic:
+    "auto" widens its drafts a bucket at a time where that pays, and never tries a wide verify step it has no
+    measurement near, which cost a compute-bound step up to 3x its plain cost each time)."""
 
     def __init__(self) -> None:
         self.points: dict[tuple[bool, int], tuple[float, float]] = {}  # (verify, bucket) -> (tokens, seconds)
+        self.once: set[tuple[bool, int]] = set()  # buckets measured once: cold (new kernels' shapes, fresh pages)
 
     @staticmethod
     def bucket(tokens: int) -> int:
@@ -80,21 +85,39 @@ class StepCosts:
     def observe(self, tokens: int, seconds: float, verify: bool) -> None:
         key = (verify, self.bucket(tokens))
         old = self.points.get(key)
-        self.points[key] = (tokens, seconds) if old is None else \
-            (0.8 * old[0] + 0.2 * tokens, 0.8 * old[1] + 0.2 * seconds)
+        if old is None or key in self.once:  # a first measurement is kept only until a second replaces it
+            self.points[key] = (tokens, seconds)
+            self.once.symmetric_difference_update((key,))
+        else:
+            self.points[key] = (0.8 * old[0] + 0.2 * tokens, 0.8 * old[1] + 0.2 * seconds)
 
-    def cost(self, tokens: int, verify: bool) -> float | None:
-        """Seconds a forward of `tokens` query tokens takes, or None if its bucket was never measured (a verify
-        step's bucket never measured takes a plain step's: a step whose requests were offered drafts and found none
-        runs plain, so a verify bucket may never be measured where drafts are rarely found)."""
-        seconds = self._cost(tokens, verify)
-        return self._cost(tokens, False) if seconds is None and verify else seconds
+    def cost(self, tokens: int, verify: bool, extrapolate: bool = True) -> float | None:
+        """Seconds a step of `tokens` query tokens takes, or None if its bucket was never measured. A verify step is
+        never taken to cost less than a plain one of as many tokens (the two are measured at other times, and a
+        verify step that looked cheaper by noise made "auto" draft where nothing was found); a verify bucket never
+        measured takes the plain step's cost (a step whose requests were offered drafts and found none runs plain,
+        so a verify bucket may never be measured where drafts are rarely found)."""
+        if not verify:
+            return self._cost(tokens, False, extrapolate)
+        seconds = self._cost(tokens, True, extrapolate)
+        if seconds is None:
+            return self._cost(tokens, False, extrapolate)
+        plain = self._cost(tokens, False, False, again=False)  # a floor only where plain steps were measured
+        return seconds if plain is None else max(seconds, plain)
 
-    def _cost(self, tokens: int, verify: bool) -> float | None:
+    def _cost(self, tokens: int, verify: bool, extrapolate: bool, again: bool = True) -> float | None:
+        """`extrapolate`: cost a bucket never measured from the one below, else None (and, with `again`, a bucket
+        measured once only, so that exploring measures it again warm)."""
         b = self.bucket(tokens)
         here = self.points.get((verify, b))
+        if here is not None and not extrapolate and again and (verify, b) in self.once:
+            here = None
         if here is None:
-            return None
+            below = [key[1] for key in self.points if key[0] == verify and key[1] < b] if extrapolate else []
+            if not below:
+                return None
+            at, seconds = self.points[(verify, max(below))]
+            return seconds * tokens / at
         at, seconds = here
         near = self.points.get((verify, b + 1 if tokens > at else b - 1))
         if near is None or near[0] == at:
@@ -119,20 +142,26 @@ class Acceptance:
 
 
 def best_draft_length(rows: int, q: float, max_k: int, costs: StepCosts, found: float = 1.0,
-                      host: float = 0.0) -> int:
+                      host: float = 0.0, explore: bool = False) -> int:
     """The drafts per request (0..max_k) with the most tokens per second for a step of `rows` decoding requests, if
-    that beats plain decoding by `MIN_GAIN` (the model's own error margin); a bucket never measured is tried
-    (returned) once it is the next candidate. `found`: the share of requests that get a draft (h); `host`: seconds of
-    the engine thread per request offered one (c)."""
+    that beats plain decoding by `MIN_GAIN` (the model's own error margin). `found`: the share of requests that get a
+    draft (h); `host`: seconds of the engine thread per request offered one (c). A bucket never measured (or measured
+    once) is returned when it is the next candidate after a length that pays, or with `explore` (a probe) after any;
+    otherwise it is costed from the one below, as if linear."""
     plain = costs.cost(rows, verify=False)
     if plain is None:
         return 0  # plain steps of this width measure themselves first
     best, best_rate, kept = 0, MIN_GAIN * rows / plain, 0.0
     for k in range(1, max_k + 1):
         kept += q ** k
-        seconds = costs.cost(rows + max(1, round(rows * found * k)), verify=True)
+        tokens = rows + max(1, round(rows * found * k))
+        seconds = costs.cost(tokens, verify=True, extrapolate=False)
+        if seconds is None and (explore or best > 0):
+            return k  # never measured (or once, cold): a probe, or a step past a length that pays, measures it
         if seconds is None:
-            return k  # never measured: this step measures it
+            seconds = costs.cost(tokens, verify=True)
+            if seconds is None:
+                return best
         rate = rows * (1.0 + found * kept) / (seconds + rows * host)
         if rate > best_rate:
             best, best_rate = k, rate
@@ -285,8 +314,9 @@ class Speculator:
         self.k = best_draft_length(num_decoding, q, longest, self.costs, offers.h, offers.per_request)
         if self.k or not offers.may_probe():
             return
-        if best_draft_length(num_decoding, GOOD_DRAFTS, longest, self.costs):  # a width where drafts could pay
-            self.k, self.probe, self.offers_left = 1, True, PROBE_ROWS
+        probe = best_draft_length(num_decoding, GOOD_DRAFTS, longest, self.costs, explore=True)
+        if probe:  # a width where good drafts would pay: the draft length they would pay at, or a bucket to measure
+            self.k, self.probe, self.offers_left = probe, True, PROBE_ROWS
 
     def propose(self, state) -> list[int]:
         if self.k < 1 or self.offers_left < 1:
