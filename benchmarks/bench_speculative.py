@@ -314,7 +314,7 @@ def oracle_rows(rounds: int, root: str) -> list[dict]:
     from rollout import Speculation, WorkerConfig
     from rollout.engine import speculator
     from rollout.testing import SIZES, build_tiny_model
-    from rollout.testing.replay import ReplayDrafts
+    from rollout.testing import ReplayDrafts
 
     path = str(build_tiny_model(os.path.join(root, "llama-25m"), size="25m", init_std=0.02))
     vocab, rows_out, index = SIZES["25m"][-1], [], speculator.DraftIndex
@@ -377,8 +377,12 @@ def main() -> None:
                         help="comma-separated, of policy (GRPO budgets), longtail, random; or oracle alone")
     args = parser.parse_args()
     print(f"machine: {machine.card()}")
-    print(f"workload: {args.prompts} prompts x n={N}, budgets {BUDGETS} (long tail: 32, one group in 16 256), "
-          f"2 epochs; draft lengths {DRAFT_LENGTHS}")
+    if args.workloads == "oracle":
+        print(f"workload: 25M Llama (init std 0.02), {ORACLE_ROWS} rows x 64 new tokens, T=1, drafts replayed from "
+              f"the plain run (all right)")
+    else:
+        print(f"workload: {args.prompts} prompts x n={N}, budgets {BUDGETS} (long tail: 32, one group in 16 256), "
+              f"2 epochs; draft lengths {DRAFT_LENGTHS}")
     result = run_offline(args) if args.offline else run_engine(args)
     print(json.dumps(result))
 

@@ -20,7 +20,7 @@ from rollout.base.speculation import Speculation
 from rollout.engine import speculator as speculator_module
 from rollout.engine.drafts import DraftIndex
 from rollout.testing import build_tiny_model, load_tiny_model
-from rollout.testing.replay import ReplayDrafts
+from rollout.testing import ReplayDrafts
 
 TOL = 1e-5
 VOCAB = 512
