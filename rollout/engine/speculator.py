@@ -31,9 +31,9 @@ rollback all cost there), and only steps whose every query token is sampled (dec
 
 While the model says no, h and q would never be measured again (a policy that starts repeating itself, a second
 epoch's history): "auto" then probes, offering drafts to the first `PROBE_ROWS` requests of a step whose width
-could pay with drafts found and kept often enough (`GOOD_DRAFTS`), as many as would pay there or as reach the next
-width never measured, at most every `PROBE_EVERY` steps and while the probes' lookups stay under `PROBE_SHARE` of
-the engine's step seconds.
+could pay with drafts found and kept often enough (`GOOD_DRAFTS`), as many as would pay there (or, where a width is
+not measured yet, as many as would measure it in a step of all its requests), at most every `PROBE_EVERY` steps and
+while the probes' lookups stay under `PROBE_SHARE` of the engine's step seconds.
 """
 
 from __future__ import annotations
@@ -85,9 +85,12 @@ class StepCosts:
     def observe(self, tokens: int, seconds: float, verify: bool) -> None:
         key = (verify, self.bucket(tokens))
         old = self.points.get(key)
-        if old is None or key in self.once:  # a first measurement is kept only until a second replaces it
+        if old is None:  # a first measurement is kept only until a second replaces it
             self.points[key] = (tokens, seconds)
-            self.once.symmetric_difference_update((key,))
+            self.once.add(key)
+        elif key in self.once:
+            self.points[key] = (tokens, seconds)
+            self.once.discard(key)
         else:
             self.points[key] = (0.8 * old[0] + 0.2 * tokens, 0.8 * old[1] + 0.2 * seconds)
 
