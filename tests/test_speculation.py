@@ -343,6 +343,14 @@ def test_auto_probes_a_few_requests_now_and_then_while_the_cost_model_says_no():
     for _ in range(spec_module.PROBE_EVERY + 1):
         speculator.begin(32, 4096)
         assert not speculator.probe
+    speculator.offers.probe_seconds, speculator.offers.since_probe = 0.0, every
+    assert speculator.begin(8, 4096) and speculator.probe  # a thin step: the probe offers every request
+    speculator.offers_left -= 8
+    speculator.verified([(f"r{i}", 3, 3) for i in range(8)])  # every draft kept: the probe paid
+    assert speculator.begin(8, 4096) and speculator.probe  # so the next step probes too
+    speculator.offers_left -= 8
+    speculator.verified([(f"r{i}", 3, 1) for i in range(8)])  # most drafts rejected
+    assert not speculator.begin(8, 4096) and not speculator.probe  # back to every PROBE_EVERY steps
     compute_bound = spec_module.Speculator(Speculation(mode="auto"), DraftIndex(Speculation()), lambda _: True)
     for tokens in (8, 16, 32, 64, 128, 256) * 2:
         compute_bound.costs.observe(tokens, 0.001 * tokens, verify=False)

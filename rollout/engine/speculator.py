@@ -33,7 +33,8 @@ While the model says no, h and q would never be measured again (a policy that st
 epoch's history): "auto" then probes, offering drafts to the first `PROBE_ROWS` requests of a step whose width
 could pay with drafts found and kept often enough (`GOOD_DRAFTS`), as many as would pay there (or, where a width is
 not measured yet, as many as would measure it in a step of all its requests), at most every `PROBE_EVERY` steps and
-while the probes' lookups stay under `PROBE_SHARE` of the engine's step seconds.
+while the probes' lookups stay under `PROBE_SHARE` of the engine's step seconds; a probe that covered its whole step
+(at most `PROBE_ROWS` requests) and kept most of its drafts lets the next step probe again.
 """
 
 from __future__ import annotations
@@ -182,6 +183,7 @@ class Offers:
         self.probe_seconds = 0.0  # what probe steps' lookups took
         self.step_seconds_total = 0.0  # the steps' seconds since the engine started (scheduling to update)
         self.since_probe = PROBE_EVERY  # steps since the last probe
+        self.paid = False  # the last probe covered its whole step and most of its drafts were kept
 
     def offer(self, found: bool, seconds: float) -> None:
         self.step_offered += 1
@@ -189,8 +191,10 @@ class Offers:
         self.step_seconds += seconds
 
     def end_step(self, probe: bool) -> None:
-        """Fold the last step's offers into the moving averages."""
-        self.since_probe = 0 if probe else self.since_probe + 1
+        """Fold the last step's offers into the moving averages. A probe that paid (a thin step's every request
+        offered, most drafts kept) lets the next step probe too: it was a verify step that paid, not a cost."""
+        self.since_probe = PROBE_EVERY if probe and self.paid else 0 if probe else self.since_probe + 1
+        self.paid = False
         if self.step_offered:  # quick to follow: a probe of one request that finds a draft moves h halfway to 1
             self.offered = 0.5 * self.offered + self.step_offered
             self.found = 0.5 * self.found + self.step_found
@@ -357,6 +361,9 @@ class Speculator:
 
     def verified(self, rows: list[tuple[str, int, int]]) -> None:
         counts = self.counts
+        if self.probe and self.offers_left > 0:  # a probe that offered every request of its step
+            drafted_total = sum(drafted for _, drafted, _ in rows)
+            self.offers.paid = 2 * sum(accepted for _, _, accepted in rows) >= drafted_total > 0
         for request_id, drafted, accepted in rows:
             counts.drafted += drafted
             counts.accepted += accepted
