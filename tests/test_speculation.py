@@ -344,12 +344,17 @@ def test_auto_probes_a_few_requests_now_and_then_while_the_cost_model_says_no():
         speculator.begin(32, 4096)
         assert not speculator.probe
     speculator.offers.probe_seconds, speculator.offers.since_probe = 0.0, every
-    assert speculator.begin(8, 4096) and speculator.probe  # a thin step: the probe offers every request
-    speculator.offers_left -= 8
-    speculator.verified([(f"r{i}", 3, 3) for i in range(8)])  # every draft kept: the probe paid
-    assert speculator.begin(8, 4096) and speculator.probe  # so the next step probes too
-    speculator.offers_left -= 8
-    speculator.verified([(f"r{i}", 3, 1) for i in range(8)])  # most drafts rejected
+    speculator._verifier = speculator.verifier()
+
+    def probe_step(drafted: int, accepted: int, seconds: float) -> None:
+        assert speculator.begin(8, 4096) and speculator.probe  # a thin step: the probe offers every request
+        speculator.offers_left -= 8
+        speculator._verifier.step_tokens, speculator._verifier.sampled_only = 8 + 8 * drafted, True
+        speculator.verified([(f"r{i}", drafted, accepted) for i in range(8)])
+        speculator.timed(seconds)
+
+    probe_step(3, 3, 0.011)  # 32 tokens in 11 ms against a plain step's 8 in 10 ms: the probe paid ...
+    probe_step(3, 3, 0.045)  # ... so the next step probes too; this one was slower than plain steps
     assert not speculator.begin(8, 4096) and not speculator.probe  # back to every PROBE_EVERY steps
     compute_bound = spec_module.Speculator(Speculation(mode="auto"), DraftIndex(Speculation()), lambda _: True)
     for tokens in (8, 16, 32, 64, 128, 256) * 2:

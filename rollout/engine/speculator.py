@@ -34,7 +34,7 @@ epoch's history): "auto" then probes, offering drafts to the first `PROBE_ROWS` 
 could pay with drafts found and kept often enough (`GOOD_DRAFTS`), as many as would pay there (or, where a width is
 not measured yet, as many as would measure it in a step of all its requests), at most every `PROBE_EVERY` steps and
 while the probes' lookups stay under `PROBE_SHARE` of the engine's step seconds; a probe that covered its whole step
-(at most `PROBE_ROWS` requests) and kept most of its drafts lets the next step probe again.
+(at most `PROBE_ROWS` requests) and emitted more tokens a second than a plain step lets the next step probe again.
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ class Offers:
         self.probe_seconds = 0.0  # what probe steps' lookups took
         self.step_seconds_total = 0.0  # the steps' seconds since the engine started (scheduling to update)
         self.since_probe = PROBE_EVERY  # steps since the last probe
-        self.paid = False  # the last probe covered its whole step and most of its drafts were kept
+        self.paid = False  # the last probe covered its whole step and emitted more tokens a second than plain
 
     def offer(self, found: bool, seconds: float) -> None:
         self.step_offered += 1
@@ -192,7 +192,7 @@ class Offers:
 
     def end_step(self, probe: bool) -> None:
         """Fold the last step's offers into the moving averages. A probe that paid (a thin step's every request
-        offered, most drafts kept) lets the next step probe too: it was a verify step that paid, not a cost."""
+        offered, more tokens a second than a plain step) lets the next step probe too: a verify step that paid."""
         self.since_probe = PROBE_EVERY if probe and self.paid else 0 if probe else self.since_probe + 1
         self.paid = False
         if self.step_offered:  # quick to follow: a probe of one request that finds a draft moves h halfway to 1
@@ -251,6 +251,7 @@ class Speculator:
         self.probe = False  # "auto": this step offers drafts to a few requests only, to measure h and q
         self.offers_left = EVERY_REQUEST  # requests this step may still offer drafts to (a probe: `PROBE_ROWS`)
         self._verifier: Verifier | None = None
+        self._probe_result: tuple[int, int] | None = None  # a whole-step probe's (drafted, accepted), until timed
         self._proposals = 0
 
     @classmethod
@@ -282,6 +283,12 @@ class Speculator:
             # The step's lookups are left out: the model adds them per request offered.
             self.costs.observe(verifier.step_tokens, max(seconds - offers.step_seconds, 0.0),
                                verify=verifier.verified_step)
+        if self._probe_result is not None and verifier is not None:
+            drafted, accepted = self._probe_result
+            rows = verifier.step_tokens - drafted
+            plain = self.costs.cost(rows, verify=False)
+            offers.paid = plain is not None and (rows + accepted) / seconds > rows / plain  # beat a plain step
+            self._probe_result = None
 
     def done(self, request_id: str, prompt: list[int] | None = None, completion: list[int] | None = None) -> None:
         """A request is over: a finished model turn (prompt and completion given) feeds the history source."""
@@ -361,9 +368,8 @@ class Speculator:
 
     def verified(self, rows: list[tuple[str, int, int]]) -> None:
         counts = self.counts
-        if self.probe and self.offers_left > 0:  # a probe that offered every request of its step
-            drafted_total = sum(drafted for _, drafted, _ in rows)
-            self.offers.paid = 2 * sum(accepted for _, _, accepted in rows) >= drafted_total > 0
+        if self.probe and self.offers_left > 0:  # a probe that offered every request of its step: judged in `timed`
+            self._probe_result = (sum(row[1] for row in rows), sum(row[2] for row in rows))
         for request_id, drafted, accepted in rows:
             counts.drafted += drafted
             counts.accepted += accepted
