@@ -363,7 +363,7 @@ def run_engine(args) -> dict:
         with tempfile.TemporaryDirectory() as root:
             rows = oracle_rows(args.rounds, root)
         print_engine(rows)
-        return dict(mode="engine", rows=[{k: v for k, v in r.items()} for r in rows])
+        return dict(mode="engine", rows=rows)
     return run_mode(args, "engine", lambda w: engine_rows(w, args.rounds), print_engine)
 
 

@@ -4,7 +4,6 @@ results as on its own POSIX threads."""
 
 from __future__ import annotations
 
-import ctypes
 import math
 import os
 import threading
@@ -80,7 +79,7 @@ def test_the_decode_kernel_on_the_openmp_team_equals_it_on_its_own_threads():
         used += count
     q = torch.randn(rows, 12, 64, generator=g)
     outs = []
-    lib, runtime = decode_kernel.load(), openmp.torch_runtime()
+    lib = decode_kernel.load()
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -92,6 +91,6 @@ def test_the_decode_kernel_on_the_openmp_team_equals_it_on_its_own_threads():
                                               page, 1 / math.sqrt(64))
             outs.append(out)
     finally:
-        lib.use_openmp(ctypes.cast(runtime.GOMP_parallel, ctypes.c_void_p))
+        openmp.hand_over(lib)  # back on the team, as decode_kernel.load() left it
         torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1])  # a row's result does not depend on which thread ran it

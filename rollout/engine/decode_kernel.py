@@ -49,10 +49,7 @@ def load(flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         lib.paged_decode.restype = ctypes.c_int
         lib.paged_write.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64]
         lib.paged_write.restype = ctypes.c_int
-        runtime = openmp.torch_runtime()
-        if runtime is not None:  # the kernel's threads are the engine thread's OpenMP team (decode_kernel.c)
-            lib.use_openmp.argtypes = [_PTR]
-            lib.use_openmp(ctypes.cast(runtime.GOMP_parallel, _PTR))
+        openmp.hand_over(lib)  # the kernel's threads are the engine thread's OpenMP team (decode_kernel.c)
     return lib
 
 

@@ -63,10 +63,7 @@ def load() -> ctypes.CDLL | None:
     lib.rms_norm.restype = None
     lib.rotary.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64]
     lib.rotary.restype = None
-    runtime = openmp.torch_runtime()
-    if runtime is not None:  # rows split over the engine thread's OpenMP team (elementwise.c)
-        lib.use_openmp.argtypes = [_PTR]
-        lib.use_openmp(ctypes.cast(runtime.GOMP_parallel, _PTR))
+    openmp.hand_over(lib)  # rows split over the engine thread's OpenMP team (elementwise.c)
     differs = _self_check(lib)
     if differs:
         warnings.warn(f"rollout: the fused RMSNorm / rotary kernels differ from torch's ops on this machine "

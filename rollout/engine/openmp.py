@@ -11,8 +11,8 @@ its "on a second thread" rows), and a whole forward has hundreds of such regions
 `release_callers_pool()` releases the calling thread's pool (OpenMP 5.0's `omp_pause_resource_all`, soft: libgomp
 lets that thread's idle workers exit). The engine calls it on the thread that submits a call, which then waits for
 the result or submits more; if that thread runs parallel ops again, libgomp starts its workers again (~0.1 ms), and
-both pools share the CPUs as they would anyway. `torch_runtime()` is the libgomp the C kernels hand their splits to
-(decode_kernel.c, elementwise.c), so they run on the engine thread's own team. Only libgomp is touched (the runtime of
+both pools share the CPUs as they would anyway. `hand_over(lib)` gives a C kernel (decode_kernel.c, elementwise.c)
+the libgomp torch runs on (`torch_runtime()`), so its splits run on the engine thread's own team. Only libgomp is touched (the runtime of
 torch's Linux wheels); with another runtime, none at all, or `ROLLOUT_OPENMP=0`, nothing is released and the kernels
 keep POSIX threads of their own.
 """
@@ -60,6 +60,15 @@ def torch_runtime() -> ctypes.CDLL | None:
     home = os.path.dirname(os.path.dirname(torch.__file__))
     mine = [lib for path, lib in runtimes if path.startswith(home)]
     return (mine or [lib for _, lib in runtimes] or [None])[0]
+
+
+def hand_over(lib: ctypes.CDLL) -> None:
+    """Give a C kernel's library torch's `GOMP_parallel` (its `use_openmp`), so it splits work over the calling
+    thread's OpenMP team; without a libgomp here it keeps POSIX threads of its own."""
+    runtime = torch_runtime()
+    if runtime is not None:
+        lib.use_openmp.argtypes = [ctypes.c_void_p]
+        lib.use_openmp(ctypes.cast(runtime.GOMP_parallel, ctypes.c_void_p))
 
 
 def release_callers_pool() -> bool:

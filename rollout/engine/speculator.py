@@ -34,7 +34,7 @@ epoch's history): "auto" then probes, offering drafts to the first `PROBE_ROWS` 
 could pay with drafts found and kept often enough (`GOOD_DRAFTS`), as many as would pay there (or, where a width is
 not measured yet, as many as would measure it in a step of all its requests), at most every `PROBE_EVERY` steps and
 while the probes' lookups stay under `PROBE_SHARE` of the engine's step seconds; a probe that covered its whole step
-(at most `PROBE_ROWS` requests) and emitted more tokens a second than a plain step lets the next step probe again.
+(fewer than `PROBE_ROWS` requests) and emitted more tokens a second than a plain step lets the next step probe again.
 """
 
 from __future__ import annotations
