@@ -221,18 +221,35 @@ def run_offline(args) -> dict:
 MODES = ("off", "auto", "always")
 
 
-def engine_rows(workload: Workload, rounds: int) -> list[dict]:
+def worker_source(path: str, device: str):
+    """What a worker is built from: the saved model's directory on "cpu" (each worker loads it); elsewhere the model
+    loaded once onto `device` in fp32 and shared by every worker (`_loaded`)."""
+    if device == "cpu":
+        return path
+    if (path, device) not in _loaded:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        _loaded[(path, device)] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    return _loaded[(path, device)]
+
+
+_loaded: dict = {}
+
+
+def engine_rows(workload: Workload, rounds: int, device: str = "cpu") -> list[dict]:
     """Both epochs of every temperature's steps, with speculation off, "auto" and "always", each in a fresh worker
     (the history index carries from epoch 1 to epoch 2 inside it), modes interleaved round by round."""
     from rollout import Speculation, WorkerConfig
 
+    source = worker_source(workload.path, device)
     rows = []
     for temperature in workload.temperatures:
         for round_ in range(rounds):
             runs = {}
             for mode in MODES:
                 spec = None if mode == "off" else Speculation(mode=mode)
-                with RolloutWorker(workload.path, WorkerConfig(speculation=spec)) as worker:
+                with RolloutWorker(source, WorkerConfig(speculation=spec)) as worker:
                     warm_up(worker, workload, temperature)
                     runs[mode] = [timed_epoch(worker, workload, temperature, epoch)
                                   for epoch in range(workload.epochs)]
@@ -273,7 +290,8 @@ def logprob_gap(worker, batch, temperature: float, rows: int = 8) -> float:
         n = int(batch.completion_lengths[r])
         ids = torch.tensor([list(batch.prompt_ids[r]) + batch.completion_ids[r, :n].tolist()])
         with torch.no_grad():
-            logits = worker.model(ids).logits[0, len(batch.prompt_ids[r]) - 1: -1].float()
+            logits = worker.model(ids.to(worker.model.device)).logits[0, len(batch.prompt_ids[r]) - 1: -1]
+        logits = logits.float().cpu()
         full = torch.log_softmax(logits / temperature, dim=-1).gather(1, batch.completion_ids[r, :n, None]).squeeze(1)
         worst = max(worst, float((full - batch.logprobs[r, :n]).abs().max()))
     return worst
@@ -307,8 +325,17 @@ def print_engine(rows: list[dict]) -> None:
 ORACLE_ROWS = (1, 4, 16, 64)
 
 
-def oracle_rows(rounds: int, root: str) -> list[dict]:
-    """Off, "auto" and "always" on the 25M Llama with drafts replayed from the off run of the same call."""
+def oracle_rows(rounds: int, root: str, device: str = "cpu", sizes: tuple[str, ...] = ("25m",)) -> list[dict]:
+    """Off, "auto" and "always" on random fp32 Llamas (init std 0.02) with drafts replayed from the off run of the
+    same call; on `device` (on "cpu" each worker loads the saved model itself, elsewhere one model is loaded onto the
+    device and every worker shares it)."""
+    rows_out = []
+    for size in sizes:
+        rows_out += oracle_size_rows(rounds, root, device, size)
+    return rows_out
+
+
+def oracle_size_rows(rounds: int, root: str, device: str, size: str) -> list[dict]:
     import random
 
     from rollout import Speculation, WorkerConfig
@@ -316,8 +343,9 @@ def oracle_rows(rounds: int, root: str) -> list[dict]:
     from rollout.testing import SIZES, build_tiny_model
     from rollout.testing import ReplayDrafts
 
-    path = str(build_tiny_model(os.path.join(root, "llama-25m"), size="25m", init_std=0.02))
-    vocab, rows_out, index = SIZES["25m"][-1], [], speculator.DraftIndex
+    path = str(build_tiny_model(os.path.join(root, f"llama-{size}"), size=size, init_std=0.02))
+    source = worker_source(path, device)
+    vocab, rows_out, index = SIZES[size][-1], [], speculator.DraftIndex
     for count in ORACLE_ROWS:
         rng = random.Random(count)
         prompts = [[rng.randrange(10, 500) for _ in range(32)] for _ in range(count)]
@@ -329,7 +357,7 @@ def oracle_rows(rounds: int, root: str) -> list[dict]:
                 if mode != "off":
                     speculator.DraftIndex = ReplayDrafts.of_batch(runs["off"]["batch"], vocab, wrong_every=10**9)
                 try:
-                    with RolloutWorker(path, WorkerConfig(speculation=spec)) as worker:
+                    with RolloutWorker(source, WorkerConfig(speculation=spec)) as worker:
                         worker.generate([p[::-1] for p in prompts], SamplingParams(max_new_tokens=64, seed=9))
                         runs[mode] = timed_call(worker, prompts, params)
                 finally:
@@ -337,7 +365,8 @@ def oracle_rows(rounds: int, root: str) -> list[dict]:
             off = runs["off"]
             for mode in MODES[1:]:
                 run = runs[mode]
-                rows_out.append(dict(workload=f"25m, drafts right, {count} rows", sampling="T=1", round=round_,
+                label = f"{size} {device}, drafts right, {count} rows"
+                rows_out.append(dict(workload=label, sampling="T=1", round=round_,
                                      epoch=1, mode=mode, speedup=off["seconds"] / run["seconds"],
                                      tok_s_off=off["tokens"] / off["seconds"], tok_s=run["tokens"] / run["seconds"],
                                      same_tokens=same_fraction(off["ids"], run["ids"]),
@@ -361,10 +390,10 @@ def timed_call(worker, prompts, params) -> dict:
 def run_engine(args) -> dict:
     if args.workloads == "oracle":
         with tempfile.TemporaryDirectory() as root:
-            rows = oracle_rows(args.rounds, root)
+            rows = oracle_rows(args.rounds, root, args.device, tuple(args.oracle_sizes.split(",")))
         print_engine(rows)
         return dict(mode="engine", rows=rows)
-    return run_mode(args, "engine", lambda w: engine_rows(w, args.rounds), print_engine)
+    return run_mode(args, "engine", lambda w: engine_rows(w, args.rounds, args.device), print_engine)
 
 
 def main() -> None:
@@ -375,11 +404,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="engine mode: interleaved rounds of off/auto/always")
     parser.add_argument("--workloads", default="policy,longtail,random",
                         help="comma-separated, of policy (GRPO budgets), longtail, random; or oracle alone")
+    parser.add_argument("--device", default="cpu", help="engine mode: the device (e.g. cuda)")
+    parser.add_argument("--oracle-sizes", default="25m", help="oracle workload: comma-separated rollout.testing sizes")
     args = parser.parse_args()
     print(f"machine: {machine.card()}")
     if args.workloads == "oracle":
-        print(f"workload: 25M Llama (init std 0.02), {ORACLE_ROWS} rows x 64 new tokens, T=1, drafts replayed from "
-              f"the plain run (all right)")
+        print(f"workload: {args.oracle_sizes} Llama (fp32, init std 0.02) on {args.device}, {ORACLE_ROWS} rows x 64 "
+              f"new tokens, T=1, drafts replayed from the plain run (all right)")
     else:
         print(f"workload: {args.prompts} prompts x n={N}, budgets {BUDGETS} (long tail: 32, one group in 16 256), "
               f"2 epochs; draft lengths {DRAFT_LENGTHS}")

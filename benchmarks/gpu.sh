@@ -61,7 +61,7 @@ setup_python() {  # -> PYTHON runs transformers $TRANSFORMERS with pytest and ps
         "index is reachable, then carry wheels/)"
     return 1
   fi
-  local venv="$OUT/venv" pip=()
+  local venv="${VENV:-${TMPDIR:-/tmp}/rollout-gpu-venv}" pip=()
   say "installing transformers $TRANSFORMERS from $WHEELS/ into $venv (over this Python's own packages)"
   if "$PYTHON" -m venv "$venv" >>"$LOG" 2>&1; then
     pip=("$venv/bin/python" -m pip)

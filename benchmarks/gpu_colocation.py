@@ -55,7 +55,8 @@ def timed(fn) -> tuple[float, object]:
 def sleep_wake(args, device: torch.device) -> dict:
     import bench_rollout  # noqa: E402  (benchmarks/ is on sys.path when this file runs)
 
-    bench_args = argparse.Namespace(size="tiny" if args.dry_run else "0.5b", dtype="bfloat16", device=str(device))
+    bench_args = argparse.Namespace(size="tiny" if args.dry_run else "0.5b", arch="llama", dtype="bfloat16",
+                                    device=str(device))
     model, _, label = bench_rollout.load_model(bench_args)
     vocab = min(model.config.vocab_size, 30000)
     prompts = [torch.randint(10, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (40, 90, 7)]
