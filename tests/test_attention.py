@@ -131,6 +131,13 @@ def test_prefix_cache_hits_match_a_plain_forward(tiny, plans, decode_path):
     assert all(r.read_index.numel() - (r.query_end - r.query_start) >= 16 for r in first.prefill)
 
 
+def test_rows_of_a_few_query_tokens_run_as_decode_rows_on_the_kernel_and_on_a_gpu_but_not_on_cpu_sdpa():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device object only: nothing runs on it
+    assert plan_mod.decode_query_tokens(cpu, kernel=True) == plan_mod.KERNEL_QUERY_TOKENS == 33
+    assert plan_mod.decode_query_tokens(cuda, kernel=False) == plan_mod.SDPA_QUERY_TOKENS == 9
+    assert plan_mod.decode_query_tokens(cpu, kernel=False) == 1
+
+
 @pytest.mark.parametrize("kv_heads", [1, 4], ids=["gqa-4-to-1", "mha"])
 def test_grouped_and_plain_multi_head_attention_match_a_plain_forward(kv_heads, plans, decode_path):
     model = random_model(kv_heads=kv_heads)

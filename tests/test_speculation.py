@@ -107,6 +107,39 @@ def test_drafted_rows_equal_plain_rows_across_sampling_modes_and_pages(tiny, nor
     assert drafted.completion_lengths.tolist() == plain.completion_lengths.tolist()
 
 
+def test_on_the_gpu_layout_verify_rows_run_in_the_decode_buckets_and_stay_exact(normal_path, monkeypatch):
+    """On a GPU (no paged decode kernel there) a verify row joins the decode buckets as one row per query token, each
+    over the keys up to its own position: a step of many verify rows makes a few SDPA calls a layer, not one per row.
+    Here that layout runs on the CPU (the kernel off, rows split as on CUDA): the rows are those of speculation off
+    and every logprob is exact."""
+    from rollout.engine import decode_kernel
+    from rollout.engine.upstream import plan as plan_mod
+
+    monkeypatch.setattr(decode_kernel, "usable", lambda *args: False)
+    monkeypatch.setattr(plan_mod, "decode_query_tokens", lambda device, kernel: plan_mod.SDPA_QUERY_TOKENS)
+    built, original = [], plan_mod._build_plan
+    monkeypatch.setattr(plan_mod, "_build_plan", lambda allocator, kwargs: built.append(original(allocator, kwargs))
+                        or built[-1])
+    model, tok = load_tiny_model(normal_path)
+    prompts = prompts_of([5, 17, 33, 8], seed=4)
+    params = [SamplingParams(n=4, temperature=1.0, max_new_tokens=40, ignore_eos=True, seed=1),
+              SamplingParams(temperature=0.0, max_new_tokens=25, ignore_eos=True),
+              SamplingParams(n=3, temperature=0.7, top_p=0.9, max_new_tokens=30, ignore_eos=True, seed=2),
+              SamplingParams(n=2, temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=3)]
+    config = WorkerConfig(page_size=4, max_batch_tokens=128)
+    plain, drafted, counts = run_both(model, tok, prompts, params, config, monkeypatch)
+    assert_same_rows(plain, drafted)
+    rows = [p for p in params for _ in range(p.n)]
+    assert_exact(model, drafted, lambda r: rows[r])
+    assert counts.accepted > 0 and counts.rolled_back > 0
+    # verify steps: every row of 2-5 query tokens (a next token and up to 4 drafts) sits in the buckets, none alone
+    verify = [p for p in built if p.decode is not None and p.decode.num_rows > 0 and not p.prefill
+              and p.decode.kernel is None]
+    assert any(p.decode.num_rows > 10 and len(p.decode.buckets) < p.decode.num_rows // 2 for p in verify)
+    assert not any(p.prefill and all(r.query_end - r.query_start <= plan_mod.SDPA_QUERY_TOKENS for r in p.prefill)
+                   for p in built if p.decode is not None)
+
+
 def test_a_stop_token_inside_a_draft_ends_the_row_there(tiny, monkeypatch):
     model, tok = tiny
     prompts = prompts_of([9, 12])

@@ -24,6 +24,20 @@ BUCKET_BYTES = 4 * 2**20
 # a verify row (a next token and up to 32 drafts) or a short prefill chunk then costs what as many decode rows cost,
 # instead of an SDPA call of its own over keys read into the workspace.
 KERNEL_QUERY_TOKENS = 33
+# On a GPU (no kernel there), rows of up to this many query tokens join the decode buckets the same way, one bucket
+# row per query token over the keys up to its position: a step of many verify rows then makes a few SDPA calls a
+# layer, not one per row (each a launch-bound call on a GPU). Each query token reads its row's keys again, so longer
+# rows (prefill chunks) keep one SDPA of their own. On a CPU without the kernel (bf16 caches, ROLLOUT_DECODE_KERNEL=0)
+# a row keeps its own SDPA: there, splitting it lost at 1-4 verify rows a step (the shared-prefix merge it brings)
+# and gained at 16-64 (benchmarks/RESULTS.md, "The first H200 run").
+SDPA_QUERY_TOKENS = 9
+
+
+def decode_query_tokens(device: torch.device, kernel: bool) -> int:
+    """The most query tokens of a row that runs as decode rows, one per query token."""
+    if kernel:
+        return KERNEL_QUERY_TOKENS
+    return 1 if device.type == "cpu" else SDPA_QUERY_TOKENS
 
 
 @dataclass
@@ -136,10 +150,10 @@ def _build_plan(allocator, kwargs) -> Plan:
         return Plan(prefill=[PrefillRow(sq, sq + lq, None, None) for sq, (lq, _) in zip(starts_q, lengths)])
     device = read_index.device
     plan = Plan()
-    # rows of a few query tokens (speculative verify rows, short prefill chunks) go to the kernel as one decode row
-    # per query token, each over the keys up to its own position (bottom-right causal)
+    # rows of a few query tokens (speculative verify rows, short prefill chunks) go to the kernel or the buckets as
+    # one decode row per query token, each over the keys up to its own position (bottom-right causal)
     kernel = decode_kernel.usable(device, allocator.cache_dtype, allocator.tokens_per_page)
-    most = KERNEL_QUERY_TOKENS if kernel else 1
+    most = decode_query_tokens(device, kernel)
     decode_rows = [i for i, (lq, _) in enumerate(lengths) if lq <= most]
     if decode_rows:
         rows = [(starts_q[i] + j, starts_k[i], lengths[i][1] - lengths[i][0] + 1 + j)
@@ -242,7 +256,7 @@ def _shared_groups(pages: torch.Tensor, key_lens: list[int], page: int) -> list[
             continue
         seg = pages[members, :span]  # [n, span]
         common = int((seg == seg[0]).all(0).int().cumprod(0).sum())
-        if common * page * (len(members) - 1) >= CALL_TOKENS:  # the reads saved pay for one more call
+        if common and common * page * (len(members) - 1) >= CALL_TOKENS:  # the reads saved pay for one more call
             groups.append((members, common))
     return groups
 
