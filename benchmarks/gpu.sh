@@ -1,27 +1,28 @@
 #!/usr/bin/env bash
-# The H200 run in one go (about 7 minutes; the device window is ~15, so one re-run fits), everything under $OUT:
+# The H200 run in one go (about 5 minutes, the machine's start aside; the device window is 15), everything under $OUT:
 #   1. python: transformers 5.23.0 (the pinned wheel, carried in wheels/, installed into a venv over the machine's
 #      own torch when its transformers differs), pytest, psutil;
 #   2. tests on CUDA: tests/test_gpu.py (exactness with the CUDA defaults with and without CUDA graphs, fp32 and
 #      bf16; sleep returning the KV cache; fraction budgets; fingerprints across devices), then the CPU suite's
 #      fast files, on this machine                                                   -> gpu_tests.txt
 #   3. throughput: bench_rollout.py on a Qwen2.5-0.5B-shaped bf16 model (random weights, built locally), a GRPO step
-#      of 32 prompts x 8 samples: the worker ("auto": flash when it imports, else rollout_paged), the worker on sdpa,
+#      of 16 prompts x 8 samples: the worker ("auto": flash when it imports, else rollout_paged),
 #      transformers' generate_batch (its own GPU defaults: flash switch, CUDA graphs, async), padded generate, the
 #      DynamicCache decode ceiling and the bandwidth bound (weights + KV once per step at 4.8 TB/s) -> gpu_rollout.txt
 #   4. colocation: sleep/wake memory and times, the device fingerprint of 7.6B bf16 parameters -> gpu_colocation.txt
-#   5. exactness: bf16 / fp32 logprob gaps per engine attention against a plain forward  -> gpu_exactness.txt
+#   5. exactness: bf16 / fp32 logprob gaps per engine attention against a plain forward (init std 0.02, the exactness
+#      rule's)                                                                      -> gpu_exactness.txt
 #
 #   benchmarks/gpu.sh                  # on the GPU machine (run tool: carry ["wheels"])
 #   benchmarks/gpu.sh --dry-run        # here, on CPU: every step on tiny sizes (test_gpu.py skips itself)
 #   benchmarks/gpu.sh --fetch-wheels   # where a package index is reachable: fill wheels/ (git-ignored, ~25 MiB)
 #
-# Environment: PYTHON (default: python), OUT (default: /tmp/rollout-gpu-bench), WHEELS (default: wheels),
+# Environment: PYTHON (default: python3), OUT (default: /tmp/rollout-gpu-bench), WHEELS (default: wheels),
 # FORCE_VENV=1 (install the wheels into a venv even when transformers is already 5.23.0: dry-runs that path).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-PYTHON=${PYTHON:-python}
+PYTHON=${PYTHON:-python3}
 OUT=${OUT:-${TMPDIR:-/tmp}/rollout-gpu-bench}
 WHEELS=${WHEELS:-wheels}
 TRANSFORMERS=5.23.0
@@ -111,10 +112,12 @@ else
     exit 1
   fi
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$LOG" 2>&1 || true
-  # 256 rows, prompts 64-512 tokens, completions 32-512: <= 1024 tokens x 256 rows in 32768 pages of 16 tokens
-  BENCH=(--device cuda --dtype bfloat16 --size 0.5b --prompts 32 --n 8 --prompt-min 64 --prompt-max 512
-         --gen-min 32 --gen-max 512 --rounds 2 --page-size 16 --max-batch-tokens 8192 --num-blocks 32768
-         --gap-rows 32 --bandwidth-tbs 4.8 --workers auto,sdpa)
+  # 128 rows, prompts 64-512 tokens, completions 32-256, in 32768 pages of 16 tokens: 84 s on the H200 of
+  # 2026-12-04, where every engine ran at the eager per-step launch rate (~50 ms a 0.5B step); 256 rows of up to 512
+  # tokens, two rounds and two workers did not finish in 240 s
+  BENCH=(--device cuda --dtype bfloat16 --size 0.5b --prompts 16 --n 8 --prompt-min 64 --prompt-max 512
+         --gen-min 32 --gen-max 256 --rounds 1 --page-size 16 --max-batch-tokens 8192 --num-blocks 32768
+         --gap-rows 16 --bandwidth-tbs 4.8 --workers auto)
   COLOCATION=()
   EXACT=(--device cuda --size 100m --dtypes bfloat16,float32)
   TESTS=(tests/test_gpu.py tests/test_cuda.py tests/test_sampler.py tests/test_sizing.py tests/test_config.py
