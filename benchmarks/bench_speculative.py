@@ -5,6 +5,7 @@
     python benchmarks/bench_speculative.py --rounds 3              # the engine: off vs "auto" vs "always", timed
     python benchmarks/bench_speculative.py --workloads longtail     # one workload (policy, longtail, random)
     python benchmarks/bench_speculative.py --workloads oracle --rounds 2   # drafts always right: the engine's ceiling
+    python benchmarks/bench_speculative.py --vllm --workloads policy       # vLLM's CPU build: off vs its n-gram drafts
 
 Engine mode (without --offline): each mode in a fresh worker, modes interleaved round by round; each worker first
 runs one untimed step of the same shape on other prompts (`warm_up`), then both epochs timed. With --rounds > 1 a
@@ -387,6 +388,68 @@ def timed_call(worker, prompts, params) -> dict:
                 gap=logprob_gap(worker, batch, (params[0] if isinstance(params, list) else params).temperature))
 
 
+VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def vllm_rows(workload: Workload, rounds: int) -> list[dict]:
+    """vLLM's CPU build (benchmarks/vllm_ngram.py in its own virtualenv) on the workload's steps, speculation off and
+    with its n-gram drafts (`VLLM_NGRAM`: the row's own prompt and completion, as this engine's "context" source),
+    each in a fresh process, alternating round by round. vLLM rows are unseeded (a seed crashes its CPU sampler) and
+    its speculation draws its own randomness, so the two runs need not sample the same tokens."""
+    import subprocess
+
+    import torch
+
+    from bench_vllm import VLLM_PYTHON, vllm_ready
+
+    why_not = vllm_ready()
+    if why_not is not None:
+        print(f"# vLLM not measured: {why_not} (python benchmarks/bench_vllm.py --setup)")
+        return []
+    steps = []
+    for temperature, sampling in workload.temperatures.items():
+        for epoch in range(workload.epochs):
+            params = [dict(n=p.n, temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_new_tokens)
+                      for p in grpo_sampling(workload, temperature, epoch)]
+            steps.append(dict(name=f"{temperature}|{epoch + 1}", prompts=workload.prompts, params=params))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(rounds):
+            runs = {}
+            for mode, spec in (("off", None), ("ngram", VLLM_NGRAM)):
+                job = dict(model=workload.path, threads=torch.get_num_threads(), kv_gib=4, speculation=spec,
+                           steps=steps, out=os.path.join(tmp, f"{mode}-{round_}.json"))
+                job_path = os.path.join(tmp, "job.json")
+                with open(job_path, "w") as f:
+                    json.dump(job, f)
+                proc = subprocess.run([str(VLLM_PYTHON), os.path.join(os.path.dirname(__file__), "vllm_ngram.py"),
+                                       job_path], capture_output=True, text=True, timeout=3600,
+                                      env=dict(os.environ, OMP_NUM_THREADS=str(job["threads"])))
+                if proc.returncode != 0:
+                    print(f"# vLLM {mode} failed: {(proc.stderr or proc.stdout).strip().splitlines()[-6:]}")
+                    return rows
+                with open(job["out"]) as f:
+                    runs[mode] = json.load(f)
+            spec = runs["ngram"]["spec"] or {}
+            for off, on in zip(runs["off"]["steps"], runs["ngram"]["steps"]):
+                temperature, epoch = off["name"].split("|")
+                rows.append(dict(workload=workload.name, sampling=temperature, epoch=int(epoch), round=round_,
+                                 tok_s_off=off["tokens"] / off["seconds"], tok_s=on["tokens"] / on["seconds"],
+                                 speedup=(on["tokens"] / on["seconds"]) / (off["tokens"] / off["seconds"]),
+                                 draft_tokens=spec.get("draft_tokens"), accepted=spec.get("accepted_tokens")))
+    return rows
+
+
+def print_vllm(rows: list[dict]) -> None:
+    print("| workload | sampling | epoch | round | vLLM tok/s off | vLLM tok/s n-gram | speedup | accepted / drafted "
+          "(whole run) |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        ratio = "-" if r["draft_tokens"] is None else f"{r['accepted']:.0f} / {r['draft_tokens']:.0f}"
+        print(f"| {r['workload']} | {r['sampling']} | {r['epoch']} | {r['round']} | {r['tok_s_off']:.0f} | "
+              f"{r['tok_s']:.0f} | {r['speedup']:.2f}x | {ratio} |")
+
+
 def run_engine(args) -> dict:
     if args.workloads == "oracle":
         with tempfile.TemporaryDirectory() as root:
@@ -404,6 +467,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="engine mode: interleaved rounds of off/auto/always")
     parser.add_argument("--workloads", default="policy,longtail,random",
                         help="comma-separated, of policy (GRPO budgets), longtail, random; or oracle alone")
+    parser.add_argument("--vllm", action="store_true",
+                        help="vLLM's CPU build on the same steps, off vs its n-gram speculation (benchmarks/.vllm/)")
     parser.add_argument("--device", default="cpu", help="engine mode: the device (e.g. cuda)")
     parser.add_argument("--oracle-sizes", default="25m", help="oracle workload: comma-separated rollout.testing sizes")
     args = parser.parse_args()
@@ -414,7 +479,10 @@ def main() -> None:
     else:
         print(f"workload: {args.prompts} prompts x n={N}, budgets {BUDGETS} (long tail: 32, one group in 16 256), "
               f"2 epochs; draft lengths {DRAFT_LENGTHS}")
-    result = run_offline(args) if args.offline else run_engine(args)
+    if args.vllm:
+        result = run_mode(args, "vllm", lambda w: vllm_rows(w, args.rounds), print_vllm)
+    else:
+        result = run_offline(args) if args.offline else run_engine(args)
     print(json.dumps(result))
 
 
