@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The H200 run in one go (about 5 minutes, the machine's start aside; the device window is 15), everything under $OUT:
+# The H200 run in one go (about 7 minutes, the machine's start aside; the device window is 15), everything under $OUT:
 #   1. python: transformers 5.23.0 (the pinned wheel, carried in wheels/, installed into a venv over the machine's
 #      own torch when its transformers differs), pytest, psutil;
 #   2. tests on CUDA: tests/test_gpu.py (exactness with the CUDA defaults with and without CUDA graphs, fp32 and
@@ -12,6 +12,8 @@
 #   4. colocation: sleep/wake memory and times, the device fingerprint of 7.6B bf16 parameters -> gpu_colocation.txt
 #   5. exactness: bf16 / fp32 logprob gaps per engine attention against a plain forward (init std 0.02, the exactness
 #      rule's)                                                                      -> gpu_exactness.txt
+#   6. speculation: bench_speculative.py's oracle workload on CUDA (fp32 25m and 100m Llamas, drafts that are right,
+#      1 / 4 / 16 / 64 rows): off vs "auto" vs "always"                              -> gpu_speculation.txt
 #
 #   benchmarks/gpu.sh                  # on the GPU machine (run tool: carry ["wheels"])
 #   benchmarks/gpu.sh --dry-run        # here, on CPU: every step on tiny sizes (test_gpu.py skips itself)
@@ -106,6 +108,7 @@ if [ "$DRY_RUN" = 1 ]; then
   COLOCATION=(--dry-run)
   EXACT=(--device cpu --size tiny --dtypes bfloat16,float32 --max-new-tokens 8 --kv-mb 64)
   TESTS=(tests/test_gpu.py tests/test_cuda.py tests/test_sampler.py)
+  SPECULATION=(--workloads oracle --device cpu --oracle-sizes tiny --rounds 1)
 else
   if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     say "torch sees no CUDA device (use --dry-run on a CPU machine)"
@@ -122,10 +125,12 @@ else
   EXACT=(--device cuda --size 100m --dtypes bfloat16,float32)
   TESTS=(tests/test_gpu.py tests/test_cuda.py tests/test_sampler.py tests/test_sizing.py tests/test_config.py
          tests/test_upstream_contract.py tests/test_reproducibility.py)
+  SPECULATION=(--workloads oracle --device cuda --oracle-sizes 25m,100m --rounds 1)  # 89 s on 2026-12-04
 fi
 
 step "tests" 120 gpu_tests.txt "$PYTHON" -m pytest -q -rs -s -p no:cacheprovider "${TESTS[@]}"
 step "throughput" 240 gpu_rollout.txt "$PYTHON" benchmarks/bench_rollout.py "${BENCH[@]}"
 step "colocation" 90 gpu_colocation.txt "$PYTHON" benchmarks/gpu_colocation.py "${COLOCATION[@]}"
 step "exactness" 90 gpu_exactness.txt "$PYTHON" benchmarks/gpu_exactness.py "${EXACT[@]}"
+step "speculation" 150 gpu_speculation.txt "$PYTHON" benchmarks/bench_speculative.py "${SPECULATION[@]}"
 say "done: $(ls "$OUT")"
