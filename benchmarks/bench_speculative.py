@@ -6,6 +6,7 @@
     python benchmarks/bench_speculative.py --workloads longtail     # one workload (policy, longtail, random)
     python benchmarks/bench_speculative.py --workloads oracle --rounds 2   # drafts always right: the engine's ceiling
     python benchmarks/bench_speculative.py --vllm --workloads policy       # vLLM's CPU build: off vs its n-gram drafts
+    python benchmarks/bench_speculative.py --workloads policy --draft-policy-steps 500   # a draft model's drafts
 
 Engine mode (without --offline): each mode in a fresh worker, modes interleaved round by round; each worker first
 runs one untimed step of the same shape on other prompts (`warm_up`), then both epochs timed. With --rounds > 1 a
@@ -222,6 +223,9 @@ def run_offline(args) -> dict:
 MODES = ("off", "auto", "always")
 
 
+SOURCES_RUN: dict = {}  # engine mode's draft sources: the defaults, or the draft model of --draft-policy-steps
+
+
 def worker_source(path: str, device: str):
     """What a worker is built from: the saved model's directory on "cpu" (each worker loads it); elsewhere the model
     loaded once onto `device` in fp32 and shared by every worker (`_loaded`)."""
@@ -249,7 +253,7 @@ def engine_rows(workload: Workload, rounds: int, device: str = "cpu") -> list[di
         for round_ in range(rounds):
             runs = {}
             for mode in MODES:
-                spec = None if mode == "off" else Speculation(mode=mode)
+                spec = None if mode == "off" else Speculation(mode=mode, **SOURCES_RUN)
                 with RolloutWorker(source, WorkerConfig(speculation=spec)) as worker:
                     warm_up(worker, workload, temperature)
                     runs[mode] = [timed_epoch(worker, workload, temperature, epoch)
@@ -469,9 +473,14 @@ def main() -> None:
                         help="comma-separated, of policy (GRPO budgets), longtail, random; or oracle alone")
     parser.add_argument("--vllm", action="store_true",
                         help="vLLM's CPU build on the same steps, off vs its n-gram speculation (benchmarks/.vllm/)")
+    parser.add_argument("--draft-policy-steps", type=int, default=None,
+                        help="engine mode: draft with the \"model\" source alone, the policy trained this many steps "
+                             "(cached like the policy) as the draft model")
     parser.add_argument("--device", default="cpu", help="engine mode: the device (e.g. cuda)")
     parser.add_argument("--oracle-sizes", default="25m", help="oracle workload: comma-separated rollout.testing sizes")
     args = parser.parse_args()
+    if args.draft_policy_steps is not None:
+        SOURCES_RUN.update(drafts=("model",), draft_model=str(policy.build_policy(args.draft_policy_steps)))
     print(f"machine: {machine.card()}")
     if args.workloads == "oracle":
         print(f"workload: {args.oracle_sizes} Llama (fp32, init std 0.02) on {args.device}, {ORACLE_ROWS} rows x 64 "

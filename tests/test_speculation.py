@@ -464,3 +464,86 @@ def test_an_engine_death_mid_call_reruns_drafted_rows_to_the_same_tokens(tiny, m
         drafted = worker.generate(prompts_of([10, 5]), params)
         assert worker.engine.num_restarts == 1 and worker.engine._speculator.counts.accepted > 0
     assert_same_rows(plain, drafted)
+
+
+# ------------------------------------------------------------------------------------------------- the "model" source
+def model_speculation(draft, **kwargs) -> WorkerConfig:
+    return WorkerConfig(speculation=Speculation(drafts=("model",), draft_model=draft, mode="always", **kwargs))
+
+
+def test_a_draft_model_drafts_greedy_rows_whole_and_changes_no_token(tiny, tiny_path):
+    """The policy's own checkpoint as its draft model: a greedy row's drafts are the policy's argmax, so every one is
+    kept; sampled rows keep the drafts their own draws match. Rows are those of speculation off, logprobs exact."""
+    model, tok = tiny
+    prompts = prompts_of([9, 3, 21])
+    params = [SamplingParams(n=3, temperature=1.0, max_new_tokens=30, ignore_eos=True, seed=1),
+              SamplingParams(temperature=0.0, max_new_tokens=25, ignore_eos=True),
+              SamplingParams(n=2, temperature=0.7, top_k=20, max_new_tokens=17, ignore_eos=True, seed=2)]
+    with RolloutWorker(model, WorkerConfig(), tokenizer=tok) as worker:
+        plain = worker.generate(prompts, params)
+    with RolloutWorker(model, model_speculation(str(tiny_path)), tokenizer=tok) as worker:
+        drafted = worker.generate(prompts, params)
+        greedy = worker.generate([prompts[1]], params[1])
+    assert_same_rows(plain, drafted)
+    rows = [p for p in params for _ in range(p.n)]
+    assert_exact(model, drafted, lambda r: rows[r], mean=None)
+    # 24 tokens after the prefill's: every draft kept, 4 a verify step
+    assert greedy.stats["draft_tokens"] == greedy.stats["accepted_tokens"] >= 16
+    assert greedy.completion_token_lists()[0] == plain.completion_token_lists()[3]
+
+
+def test_the_draft_models_cache_cut_back_after_a_rejection_drafts_as_a_fresh_one(tiny):
+    """After drafts are rejected the row's cache is cut back to what the row kept, and what it drafts next is what a
+    draft model fed the row's tokens from scratch would draft."""
+    from rollout.engine.draft_model import DraftModel
+
+    model, _ = tiny
+    runner = DraftModel(model, policy_vocab=VOCAB)
+    tokens = prompts_of([12], seed=3)[0]
+    kept = runner.source(tokens)
+    first = kept.draft(4)
+    tokens.extend([first[0], (first[1] + 1) % VOCAB, 7])  # the first draft kept, the second rejected, two more
+    fresh = runner.source(list(tokens))
+    assert kept.draft(4) == fresh.draft(4)
+    assert kept.cache.get_seq_length() == len(tokens) + 3 and kept.fed[: len(tokens)] == tokens
+
+
+def test_a_draft_model_of_another_vocabulary_or_tokenizer_is_refused_at_construction(tiny, tiny_path, tmp_path):
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    model, tok = tiny
+    other = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=256, hidden_size=32, num_hidden_layers=1,
+                                                         num_attention_heads=2, intermediate_size=64))
+    with pytest.raises(InvalidArgument, match="speculation.draft_model.*policy's vocabulary"):
+        RolloutWorker(model, model_speculation(other), tokenizer=tok)
+    swapped = tmp_path / "swapped"  # the same model, its tokenizer's first two merges' tokens swapped
+    shutil.copytree(tiny_path, swapped)
+    config = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = config["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (swapped / "tokenizer.json").write_text(json.dumps(config))
+    with pytest.raises(InvalidArgument, match="speculation.draft_model.*another tokenizer"):
+        RolloutWorker(model, model_speculation(str(swapped)), tokenizer=tok)
+    with pytest.raises(InvalidArgument, match="speculation.draft_model"):
+        RolloutWorker(model, model_speculation(str(tmp_path / "missing")), tokenizer=tok)
+
+
+def test_a_failing_draft_model_gives_no_drafts_and_the_same_rows(tiny, tiny_path):
+    model, tok = tiny
+    draft, _ = load_tiny_model(tiny_path)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("draft model down")
+
+    draft.forward = broken
+    prompts, params = prompts_of([6, 11]), SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=4)
+    with RolloutWorker(model, WorkerConfig(), tokenizer=tok) as worker:
+        plain = worker.generate(prompts, params)
+    with RolloutWorker(model, model_speculation(draft), tokenizer=tok) as worker:
+        drafted = worker.generate(prompts, params)
+    assert_same_rows(plain, drafted)
+    assert drafted.stats.get("draft_tokens", 0) == 0

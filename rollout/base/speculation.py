@@ -25,15 +25,16 @@ class Speculation:
         "context" proposes what followed the most recent earlier occurrence of the row's own last tokens (an n-gram
         lookup in its prompt and completion so far); "history" proposes from the completions recorded for the same
         prompt ids (earlier calls and epochs, and samples of the same group that finished earlier in the call);
-        "model" runs `draft_model`. Where two sources propose, the longer n-gram match wins.
+        "model" runs `draft_model` (greedy drafts, where no n-gram source proposes). Where two n-gram sources propose,
+        the longer match wins.
     max_draft_tokens: most draft tokens fed after a row's next token in one step, in [1, 32].
     history_memory_mb: what the history index may hold, in MiB (> 0); past it, whole prompts are forgotten least
         recently used first.
     mode: "auto" drafts only where the measured cost says it pays (thin steps, rows whose drafts keep being
         accepted), "always" drafts every row every step, "off" never drafts (the config kept, e.g. to compare).
-    draft_model: a smaller causal LM with the policy's vocabulary, required when "model" is in drafts and refused
-        otherwise. The engine side of the "model" source may not exist yet: a config that names it is accepted here
-        and it is the worker that refuses what its engine cannot run.
+    draft_model: a smaller causal LM with the policy's vocabulary (a model object or a checkpoint directory),
+        required when "model" is in drafts and refused otherwise; the worker checks its vocabulary against the
+        policy's at construction.
     min_ngram, max_ngram: the shortest and longest suffix of the row looked up (longest first), 1 <= min <= max <= 8.
         Shorter matches propose more often and are accepted less often.
     """

@@ -37,10 +37,11 @@ One request, hop by hop, from `RolloutWorker.generate` to its row:
 """
 
 from .core import Call, Engine, Sample
+from .draft_model import DraftModel
 from .episode import Episode
 from .grammar import Grammars
 from .trace import TurnTrace
 from .upstream import current_attn_implementation, install, resolve_attn_implementation, set_attn_implementation
 
-__all__ = ["Call", "Engine", "Episode", "Grammars", "Sample", "TurnTrace", "current_attn_implementation", "install",
+__all__ = ["Call", "DraftModel", "Engine", "Episode", "Grammars", "Sample", "TurnTrace", "current_attn_implementation", "install",
            "resolve_attn_implementation", "set_attn_implementation"]

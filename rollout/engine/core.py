@@ -72,7 +72,7 @@ def release_memory() -> None:
 
 
 class Engine:
-    def __init__(self, model, config: WorkerConfig, version: int = 0) -> None:
+    def __init__(self, model, config: WorkerConfig, version: int = 0, draft_model=None) -> None:
         install()  # the hooks on transformers this engine relies on (upstream/install.py), once per process
         self.model = model
         self.config = config.for_device(model.device)  # every size resolved (the device's defaults)
@@ -98,7 +98,8 @@ class Engine:
         self.grammars: Grammars | None = None  # the worker's grammar compiler, once it submits a constrained row
         self.captures = False  # the manager captures CUDA graphs and batches asynchronously (no constrained rows)
         self._recorder: RoutingRecorder | None = None
-        self._speculator = Speculator.of(self.config, self._draftable, self._drafted)  # None: speculation off
+        # None: speculation off; draft_model: the "model" source's DraftModel (the worker loads and checks it)
+        self._speculator = Speculator.of(self.config, self._draftable, self._drafted, draft_model)
         # the kernels of the forward's fp32 linears, named as in WorkerConfig.cpu_linear (onednn.py), chosen once
         self.linears = "onednn" if onednn.choose(self.config.cpu_linear, self.model) else "blas"
         if self.linears == "onednn":

@@ -33,6 +33,7 @@ import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..base.speculation import Speculation
 
@@ -173,7 +174,8 @@ class RowDrafts:
                 self._drop(source, error)
 
     def propose(self, k: int) -> list[int]:
-        """Up to k draft tokens that continue the row (the longest suffix match of any source); [] if none."""
+        """Up to k draft tokens that continue the row: the longest suffix match of any n-gram source, else the draft
+        model's (free lookups first: a draft model's costs forwards); [] if none."""
         tokens = self.tokens
         length = len(tokens)
         if k < 1 or not self.sources:
@@ -181,6 +183,8 @@ class RowDrafts:
         for n in range(min(self.max_ngram, length), self.min_ngram - 1, -1):
             key = tuple(tokens[length - n:])
             for source in self.sources:
+                if not getattr(source, "keyed", True):
+                    continue
                 try:
                     draft = source.lookup(key, k)
                 except Exception as error:  # noqa: BLE001
@@ -188,6 +192,11 @@ class RowDrafts:
                     return []
                 if draft:
                     return draft
+        for source in [s for s in self.sources if not getattr(s, "keyed", True)]:
+            try:
+                return source.draft(k)
+            except Exception as error:  # noqa: BLE001
+                self._drop(source, error)
         return []
 
     def _drop(self, source, error: Exception) -> None:
@@ -203,8 +212,9 @@ class DraftIndex:
     thread at a time.
     """
 
-    def __init__(self, spec: Speculation) -> None:
+    def __init__(self, spec: Speculation, draft_model: Any = None) -> None:
         self.spec = spec
+        self.draft_model = draft_model  # draft_model.DraftModel: the "model" source's runner (None without it)
         self.budget = int(spec.history_memory_mb * 2**20)
         self._prompts: OrderedDict[tuple[int, ...], PromptHistory] = OrderedDict()
         self._bytes = 0
@@ -242,6 +252,8 @@ class DraftIndex:
                     elif name == "history":
                         sources.append(HistorySource(self._history(key)))
                         self._evict()
+                    elif name == "model" and self.draft_model is not None:
+                        sources.append(self.draft_model.source(tokens))
             except Exception as error:  # noqa: BLE001
                 LOG.warning("draft source %r not started (%s: %s)", name, type(error).__name__, error)
         return RowDrafts(tokens, sources, spec.min_ngram, spec.max_ngram)

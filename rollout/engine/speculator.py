@@ -43,6 +43,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ..base.config import WorkerConfig
 from ..base.errors import invalid
@@ -256,15 +257,16 @@ class Speculator:
 
     @classmethod
     def of(cls, config: WorkerConfig, eligible: Callable[[str], bool],
-           on_row: Callable[[str, int, int], None]) -> "Speculator | None":
-        """The engine's speculator, or None when the config has speculation off."""
+           on_row: Callable[[str, int, int], None], draft_model: Any = None) -> "Speculator | None":
+        """The engine's speculator, or None when the config has speculation off. `draft_model`: the "model"
+        source's runner (draft_model.DraftModel), which the worker loads and checks against the policy."""
         spec = config.speculation
         if spec is None or spec.mode == "off":
             return None
-        if "model" in spec.drafts:
-            raise invalid("speculation.drafts", spec.drafts, "'model' drafts are not run by this engine yet (a draft "
-                          "model needs its own paged cache)", "use 'context' and/or 'history'")
-        return cls(spec, DraftIndex(spec), eligible, on_row)
+        if "model" in spec.drafts and draft_model is None:
+            raise invalid("speculation.draft_model", type(spec.draft_model).__name__, "was not loaded for this engine",
+                          "build the engine through RolloutWorker, which loads and checks the draft model")
+        return cls(spec, DraftIndex(spec, draft_model), eligible, on_row)
 
     def verifier(self) -> Verifier:
         """The hooks a new manager's scheduler, runner and processor call (upstream/verify.py)."""

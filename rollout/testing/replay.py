@@ -46,7 +46,7 @@ class ReplayDrafts:
         return cls([list(batch.prompt_ids[r]) + batch.completion_ids[r, : int(batch.completion_lengths[r])].tolist()
                     for r in range(len(batch))], vocab_size, wrong_every)
 
-    def __call__(self, spec) -> "ReplayDrafts":  # stands in for DraftIndex(spec)
+    def __call__(self, spec, draft_model=None) -> "ReplayDrafts":  # stands in for DraftIndex(spec, draft_model)
         return self
 
     def row(self, prompt: Sequence[int]) -> ReplayRow:

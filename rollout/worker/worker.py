@@ -31,7 +31,7 @@ from ..base.env import EnvFactory, EpisodeSpec
 from ..base.errors import invalid
 from ..base.params import SamplingParams
 from ..base.rollouts import model_name, request_limit
-from ..engine import (Call, Engine, Episode, Sample, current_attn_implementation, install,
+from ..engine import (Call, DraftModel, Engine, Episode, Sample, current_attn_implementation, install,
                       resolve_attn_implementation, set_attn_implementation)
 from ..metrics.snapshot import WorkerMetrics
 from ..model import adapters
@@ -71,7 +71,7 @@ class RolloutWorker:
         self._merge: contextlib.ExitStack | None = None  # adapters merged for the running calls (merge_adapters)
         self._merged: adapters.Merge | None = None  # what that merge changed
         try:  # a config the model cannot run with fails here: the owner's attention comes back all the same
-            self.engine = Engine(self.model, self.config)
+            self.engine = Engine(self.model, self.config, draft_model=self._draft_model())
             self._engine_attn = current_attn_implementation(self.model)
         finally:
             self._set_attn(self._user_attn)
@@ -226,6 +226,20 @@ class RolloutWorker:
 
     def _set_attn(self, impl: str) -> None:
         set_attn_implementation(self.model, impl)
+
+    def _draft_model(self) -> DraftModel | None:
+        """The "model" draft source's runner: `speculation.draft_model` (a model object, or a checkpoint directory
+        loaded on the policy's device in its dtype), checked to draft in the policy's ids."""
+        spec = self.config.speculation
+        if spec is None or spec.mode == "off" or "model" not in spec.drafts:
+            return None
+        draft, draft_tokenizer = load_model(spec.draft_model, dtype=self.model.dtype, device=self.model.device,
+                                            field="speculation.draft_model")
+        same = draft_tokenizer is not None and self.tokenizer is not None and not hasattr(spec.draft_model, "forward")
+        if same and draft_tokenizer.get_vocab() != self.tokenizer.get_vocab():
+            raise invalid("speculation.draft_model", str(spec.draft_model), "has another tokenizer than the policy "
+                          "(their vocabularies differ)", "use a draft model trained with the policy's tokenizer")
+        return DraftModel.checked(draft, self.model, same_tokenizer=same)
 
     def _merge_adapters(self) -> None:
         if self.config.merge_adapters and self._merge is None and adapters.is_peft_model(self.model):
