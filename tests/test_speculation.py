@@ -471,9 +471,11 @@ def model_speculation(draft, **kwargs) -> WorkerConfig:
     return WorkerConfig(speculation=Speculation(drafts=("model",), draft_model=draft, mode="always", **kwargs))
 
 
-def test_a_draft_model_drafts_greedy_rows_whole_and_changes_no_token(tiny, tiny_path):
-    """The policy's own checkpoint as its draft model: a greedy row's drafts are the policy's argmax, so every one is
-    kept; sampled rows keep the drafts their own draws match. Rows are those of speculation off, logprobs exact."""
+def test_a_draft_model_draws_as_the_row_draws_so_the_policy_as_its_own_draft_keeps_its_drafts(tiny, tiny_path):
+    """The policy's own checkpoint as its draft model: each draft token is the row's own draw (its temperature,
+    top-k and uniform at that position) from the same distribution, so sampled rows keep their drafts as greedy rows
+    do (a draw flips only where the two forwards' float rounding straddles a CDF boundary). Rows are those of
+    speculation off, logprobs exact."""
     model, tok = tiny
     prompts = prompts_of([9, 3, 21])
     params = [SamplingParams(n=3, temperature=1.0, max_new_tokens=30, ignore_eos=True, seed=1),
@@ -484,14 +486,86 @@ def test_a_draft_model_drafts_greedy_rows_whole_and_changes_no_token(tiny, tiny_
     with RolloutWorker(model, model_speculation(str(tiny_path)), tokenizer=tok) as worker:
         drafted = worker.generate(prompts, params)
         greedy = worker.generate([prompts[1]], params[1])
+        sampled = worker.generate([prompts[0]], params[0])
     assert_same_rows(plain, drafted)
     rows = [p for p in params for _ in range(p.n)]
     assert_exact(model, drafted, lambda r: rows[r], mean=None)
+    assert drafted.stats["accepted_tokens"] >= 0.95 * drafted.stats["draft_tokens"] > 0
     # 24 tokens after the prefill's: every draft kept, 4 a verify step
     assert greedy.stats["draft_tokens"] == greedy.stats["accepted_tokens"] >= 16
     assert greedy.completion_token_lists()[0] == plain.completion_token_lists()[3]
+    # a random tiny model at T = 1 is near uniform: its argmax is its draw about 1 time in 100, its own draw ~always
+    assert sampled.stats["accepted_tokens"] >= 0.95 * sampled.stats["draft_tokens"] >= 0.95 * 3 * 20
+    assert sampled.completion_token_lists() == plain.completion_token_lists()[:3]
 
 
+def test_a_draft_token_is_the_token_the_rows_sampler_draws_from_the_same_logits():
+    """`DraftModel.pick` on logits L at position p is `sample_rows`' token on L for the row at p: greedy, T = 1,
+    T = 0.7 with top-k and top-p, min-p; draft logits past the policy's ids are cut first."""
+    from rollout.engine.draft_model import DraftModel
+    from rollout.engine.sampler import RowSpec, SamplingRows, sample_rows
+
+    vocab = 300
+    runner = DraftModel(torch.nn.Linear(1, 1), policy_vocab=vocab)
+    gen = torch.Generator().manual_seed(0)
+    specs = [RowSpec(SamplingParams(temperature=0.0), key=3), RowSpec(SamplingParams(temperature=1.0), key=5),
+             RowSpec(SamplingParams(temperature=0.7, top_k=40, top_p=0.9), key=7),
+             RowSpec(SamplingParams(temperature=1.3, min_p=0.05), key=11)]
+    seen = set()
+    for spec in specs:
+        for position in range(40):
+            logits = torch.randn(vocab + 20, generator=gen) * 3  # a draft padded past the policy's vocabulary
+            logits[vocab:] = 50.0  # what only the cut keeps from being drawn
+            expected = sample_rows(logits[None, :vocab].clone(), SamplingRows.of([spec]), torch.tensor([position]))
+            token, argmax = runner.pick(logits, spec, position)
+            assert token == int(expected.tokens[0]) < vocab and argmax == int(logits[:vocab].argmax())
+            seen.add(token)
+    assert len(seen) > 40  # the draws follow each position's uniform, not one argmax
+
+
+class TableLM(torch.nn.Module):
+    """A causal LM whose next-token logits are a row of a table, picked by the last id (the cache is ignored)."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(table, requires_grad=False)
+
+    def forward(self, input_ids, past_key_values=None, use_cache=True):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(logits=self.table[input_ids])
+
+
+def test_the_draft_model_proposes_whichever_of_its_coupled_draw_and_argmax_the_policy_drew_more_often():
+    """A draft of the policy's distribution: the coupled draw is the policy's own, every time. A draft with the
+    policy's argmax but a flat distribution: its coupled draw is rarely the policy's; after a few rows' first
+    positions say so, it proposes its argmax, which the policy draws about half the time."""
+    from rollout.engine.draft_model import DraftModel
+    from rollout.engine.sampler import RowSpec, SamplingRows, sample_rows
+
+    vocab = 64
+    policy = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0)) * 4  # a few likely ids each
+    spec = RowSpec(SamplingParams(temperature=1.0), key=9)
+
+    def run(table: torch.Tensor):
+        runner = DraftModel(TableLM(table), policy_vocab=vocab)
+        tokens, proposed_first, argmax_first = [1], [], []
+        source = runner.source(tokens, spec)
+        for _ in range(200):
+            proposed = source.draft(3)
+            argmax_first.append(int(table[tokens[-1]].argmax()))
+            drawn = sample_rows(policy[tokens[-1]][None], SamplingRows.of([spec]), torch.tensor([len(tokens) - 1]))
+            tokens.append(int(drawn.tokens[0]))  # the policy's draw (the row kept no draft beyond it)
+            proposed_first.append(proposed[0])
+        kept = sum(a == b for a, b in zip(proposed_first, tokens[1:]))
+        return runner, proposed_first, argmax_first, kept
+
+    same, _, _, kept = run(policy)
+    assert same.agreement.coupled_leads and kept == 200
+    flat, proposed, argmax, kept = run(policy / 8)
+    assert not flat.agreement.coupled_leads and proposed[50:] == argmax[50:]
+    # measured: the argmax agreed ~65% of the time, the coupled draw ~6%; 128 of 200 first drafts kept
+    assert flat.agreement.argmax > 5 * flat.agreement.coupled and kept >= 100
 def test_the_draft_models_cache_cut_back_after_a_rejection_drafts_as_a_fresh_one(tiny):
     """After drafts are rejected the row's cache is cut back to what the row kept, and what it drafts next is what a
     draft model fed the row's tokens from scratch would draft."""

@@ -99,7 +99,7 @@ class Engine:
         self.captures = False  # the manager captures CUDA graphs and batches asynchronously (no constrained rows)
         self._recorder: RoutingRecorder | None = None
         # None: speculation off; draft_model: the "model" source's DraftModel (the worker loads and checks it)
-        self._speculator = Speculator.of(self.config, self._draftable, self._drafted, draft_model)
+        self._speculator = Speculator.of(self.config, self._draftable, self._drafted, draft_model, self._row_spec)
         # the kernels of the forward's fp32 linears, named as in WorkerConfig.cpu_linear (onednn.py), chosen once
         self.linears = "onednn" if onednn.choose(self.config.cpu_linear, self.model) else "blas"
         if self.linears == "onednn":

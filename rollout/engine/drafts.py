@@ -240,8 +240,9 @@ class DraftIndex:
         except Exception as error:  # noqa: BLE001 - history is an optimisation; the engine must not see this
             LOG.warning("draft history not recorded (%s: %s)", type(error).__name__, error)
 
-    def row(self, prompt: Sequence[int]) -> RowDrafts:
-        """A drafter for a new request with these prompt ids."""
+    def row(self, prompt: Sequence[int], sampling: Any = None) -> RowDrafts:
+        """A drafter for a new request with these prompt ids; `sampling`: its sampler.RowSpec, which the draft model
+        draws with (None: argmax drafts)."""
         spec, tokens = self.spec, list(prompt)
         key, sources = tuple(tokens), []
         for name in spec.drafts:
@@ -253,7 +254,7 @@ class DraftIndex:
                         sources.append(HistorySource(self._history(key)))
                         self._evict()
                     elif name == "model" and self.draft_model is not None:
-                        sources.append(self.draft_model.source(tokens))
+                        sources.append(self.draft_model.source(tokens, sampling))
             except Exception as error:  # noqa: BLE001
                 LOG.warning("draft source %r not started (%s: %s)", name, type(error).__name__, error)
         return RowDrafts(tokens, sources, spec.min_ngram, spec.max_ngram)

@@ -238,8 +238,10 @@ class SpeculationCounts:
 
 class Speculator:
     def __init__(self, spec: Speculation, index, eligible: Callable[[str], bool],
-                 on_row: Callable[[str, int, int], None] = lambda request_id, drafted, accepted: None) -> None:
+                 on_row: Callable[[str, int, int], None] = lambda request_id, drafted, accepted: None,
+                 sampling: Callable[[str], Any] = lambda request_id: None) -> None:
         self.spec = spec
+        self.sampling = sampling  # request id -> its sampler.RowSpec (the draft model draws with it)
         self.on_row = on_row  # each verify row's (request id, drafted, accepted): the engine counts them per call
         self.index = index  # drafts.DraftIndex
         self.eligible = eligible  # request id -> may it be drafted (its sampling params allow it)
@@ -256,17 +258,19 @@ class Speculator:
         self._proposals = 0
 
     @classmethod
-    def of(cls, config: WorkerConfig, eligible: Callable[[str], bool],
-           on_row: Callable[[str, int, int], None], draft_model: Any = None) -> "Speculator | None":
+    def of(cls, config: WorkerConfig, eligible: Callable[[str], bool], on_row: Callable[[str, int, int], None],
+           draft_model: Any = None, sampling: Callable[[str], Any] = lambda request_id: None
+           ) -> "Speculator | None":
         """The engine's speculator, or None when the config has speculation off. `draft_model`: the "model"
-        source's runner (draft_model.DraftModel), which the worker loads and checks against the policy."""
+        source's runner (draft_model.DraftModel), which the worker loads and checks against the policy; `sampling`:
+        a request's sampler.RowSpec, which the draft model draws its tokens with."""
         spec = config.speculation
         if spec is None or spec.mode == "off":
             return None
         if "model" in spec.drafts and draft_model is None:
             raise invalid("speculation.draft_model", type(spec.draft_model).__name__, "was not loaded for this engine",
                           "build the engine through RolloutWorker, which loads and checks the draft model")
-        return cls(spec, DraftIndex(spec, draft_model), eligible, on_row)
+        return cls(spec, DraftIndex(spec, draft_model), eligible, on_row, sampling)
 
     def verifier(self) -> Verifier:
         """The hooks a new manager's scheduler, runner and processor call (upstream/verify.py)."""
@@ -393,7 +397,8 @@ class Speculator:
         prompt, completion = history(state)
         row = self.rows.get(state.request_id)
         if row is None or len(completion) < row.fed:  # new, or re-run from its prompt under the same id
-            row = self.rows[state.request_id] = RowState(self.index.row(list(prompt)))
+            drafts = self.index.row(list(prompt), self.sampling(state.request_id))
+            row = self.rows[state.request_id] = RowState(drafts)
         if len(completion) > row.fed:
             row.drafts.extend(completion[row.fed:])
             row.fed = len(completion)

@@ -49,7 +49,7 @@ class ReplayDrafts:
     def __call__(self, spec, draft_model=None) -> "ReplayDrafts":  # stands in for DraftIndex(spec, draft_model)
         return self
 
-    def row(self, prompt: Sequence[int]) -> ReplayRow:
+    def row(self, prompt: Sequence[int], sampling=None) -> ReplayRow:
         return ReplayRow(self.sequences, prompt, self.vocab_size, self.wrong_every)
 
     def record(self, prompt, completion) -> None:
