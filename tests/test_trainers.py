@@ -523,6 +523,16 @@ def step_prompts(tok):
                          for i in range(4)]
 
 
+def alternating_prompts(tok):
+    """step_prompts' prompts reordered so the gate's parity alternates (odd first token, even, odd, ...): any 6 in a
+    row hold 3 that the gate lets through, so a call wanting 4 groups at over_sample 1.5 (6 first drawn, in stream
+    order) must judge a refused one before its 4th accepted, whatever order the groups finish in."""
+    pool = list(dict.fromkeys(tuple(p) for step in range(4) for p in step_prompts(tok)(step)))
+    odd, even = [p for p in pool if p[0] % 2], [p for p in pool if p[0] % 2 == 0]
+    stream = [list(p) for pair in zip(odd, even) for p in pair]  # an even length: alternates across the wrap too
+    return lambda step: [stream[(step * 4 + i) % len(stream)] for i in range(4)]
+
+
 def spy_updates(trainer, monkeypatch) -> list:
     """Record the (batch, rewards) every update trains on."""
     seen = []
@@ -541,7 +551,7 @@ def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tiny, monke
     config = GRPOConfig(num_generations=4, max_new_tokens=8, dynamic_sampling=True, over_sample=1.5)
     with RolloutWorker(model, WorkerConfig(), tokenizer=tok) as worker:  # shared in place: nothing runs meanwhile
         trainer = GRPOTrainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), gated_reward(tok),
-                              step_prompts(tok), worker, config)
+                              alternating_prompts(tok), worker, config)
         seen = spy_updates(trainer, monkeypatch)
         history = trainer.train(3)
         trainer.close()
