@@ -7,6 +7,7 @@
     python benchmarks/bench_speculative.py --workloads oracle --rounds 2   # drafts always right: the engine's ceiling
     python benchmarks/bench_speculative.py --vllm --workloads policy       # vLLM's CPU build: off vs its n-gram drafts
     python benchmarks/bench_speculative.py --workloads policy --draft-policy-steps 500   # a draft model's drafts
+    python benchmarks/bench_speculative.py --workloads policy --modes auto --rounds 3       # "auto" alone against off
 
 Engine mode (without --offline): each mode in a fresh worker, modes interleaved round by round; each worker first
 runs one untimed step of the same shape on other prompts (`warm_up`), then both epochs timed. With --rounds > 1 a
@@ -220,7 +221,7 @@ def run_offline(args) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------- engine
-MODES = ("off", "auto", "always")
+MODES = ["off", "auto", "always"]  # what engine mode times: off first, then the modes of --modes
 
 
 SOURCES_RUN: dict = {}  # engine mode's draft sources: the defaults, or the draft model of --draft-policy-steps
@@ -469,6 +470,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16, help="prompts per step (n = 8 samples each)")
     parser.add_argument("--policy-steps", type=int, default=policy.STEPS, help="the policy's training steps")
     parser.add_argument("--rounds", type=int, default=1, help="engine mode: interleaved rounds of off/auto/always")
+    parser.add_argument("--modes", default="auto,always", help="engine mode: the speculation modes timed against off")
     parser.add_argument("--workloads", default="policy,longtail,random",
                         help="comma-separated, of policy (GRPO budgets), longtail, random; or oracle alone")
     parser.add_argument("--vllm", action="store_true",
@@ -479,6 +481,10 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="engine mode: the device (e.g. cuda)")
     parser.add_argument("--oracle-sizes", default="25m", help="oracle workload: comma-separated rollout.testing sizes")
     args = parser.parse_args()
+    modes = args.modes.split(",")
+    if not set(modes) <= {"auto", "always"}:
+        parser.error(f"--modes {args.modes!r}: each must be auto or always")
+    MODES[1:] = modes
     if args.draft_policy_steps is not None:
         SOURCES_RUN.update(drafts=("model",), draft_model=str(policy.build_policy(args.draft_policy_steps)))
     print(f"machine: {machine.card()}")
