@@ -25,9 +25,10 @@ class Speculation:
         "context" proposes what followed the most recent earlier occurrence of the row's own last tokens (an n-gram
         lookup in its prompt and completion so far); "history" proposes from the completions recorded for the same
         prompt ids (earlier calls and epochs, and samples of the same group that finished earlier in the call);
-        "model" runs `draft_model` where no n-gram source proposes (each draft token drawn with the row's own
-        sampling params and uniform, so it is kept as often as the two models agree). Where two n-gram sources
-        propose, the longer match wins.
+        "model" runs `draft_model` where no n-gram source proposes (a sampled row's draft tokens are its own draws
+        from the draft model, with its params and uniforms, or the draft's argmax where that has lately agreed with
+        the policy more often; rollout/engine/draft_model.py). Where two n-gram sources propose, the longer match
+        wins.
     max_draft_tokens: most draft tokens fed after a row's next token in one step, in [1, 32].
     history_memory_mb: what the history index may hold, in MiB (> 0); past it, whole prompts are forgotten least
         recently used first.
