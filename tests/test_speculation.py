@@ -9,6 +9,7 @@ draft sources themselves (context, history) are pinned in test_drafts.py.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -531,8 +532,6 @@ class TableLM(torch.nn.Module):
         self.table = torch.nn.Parameter(table, requires_grad=False)
 
     def forward(self, input_ids, past_key_values=None, use_cache=True):
-        from types import SimpleNamespace
-
         return SimpleNamespace(logits=self.table[input_ids])
 
 
@@ -566,6 +565,8 @@ def test_the_draft_model_proposes_whichever_of_its_coupled_draw_and_argmax_the_p
     assert not flat.agreement.coupled_leads and proposed[50:] == argmax[50:]
     # measured: the argmax agreed ~65% of the time, the coupled draw ~6%; 128 of 200 first drafts kept
     assert flat.agreement.argmax > 5 * flat.agreement.coupled and kept >= 100
+
+
 def test_the_draft_models_cache_cut_back_after_a_rejection_drafts_as_a_fresh_one(tiny):
     """After drafts are rejected the row's cache is cut back to what the row kept, and what it drafts next is what a
     draft model fed the row's tokens from scratch would draft."""

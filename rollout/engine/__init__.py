@@ -43,5 +43,5 @@ from .grammar import Grammars
 from .trace import TurnTrace
 from .upstream import current_attn_implementation, install, resolve_attn_implementation, set_attn_implementation
 
-__all__ = ["Call", "DraftModel", "Engine", "Episode", "Grammars", "Sample", "TurnTrace", "current_attn_implementation", "install",
-           "resolve_attn_implementation", "set_attn_implementation"]
+__all__ = ["Call", "DraftModel", "Engine", "Episode", "Grammars", "Sample", "TurnTrace", "current_attn_implementation",
+           "install", "resolve_attn_implementation", "set_attn_implementation"]

@@ -235,7 +235,7 @@ class RolloutWorker:
             return None
         draft, draft_tokenizer = load_model(spec.draft_model, dtype=self.model.dtype, device=self.model.device,
                                             field="speculation.draft_model")
-        same = draft_tokenizer is not None and self.tokenizer is not None and not hasattr(spec.draft_model, "forward")
+        same = draft_tokenizer is not None and self.tokenizer is not None  # a model object comes without one
         if same and draft_tokenizer.get_vocab() != self.tokenizer.get_vocab():
             raise invalid("speculation.draft_model", str(spec.draft_model), "has another tokenizer than the policy "
                           "(their vocabularies differ)", "use a draft model trained with the policy's tokenizer")
