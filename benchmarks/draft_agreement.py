@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from rollout import SamplingParams  # noqa: E402
-from rollout.engine.sampler import RowSpec, SamplingRows, sample_rows  # noqa: E402
+from rollout.engine.sampler import RowSpec, SamplingRows, sample_rows, truncation_mask  # noqa: E402
 
 import machine  # noqa: E402  benchmarks/machine.py: the config card
 import policy  # noqa: E402  benchmarks/policy.py: the trained policy
@@ -41,14 +41,13 @@ def held_out_logits(model, windows: torch.Tensor) -> torch.Tensor:
 
 
 def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """What a row of these params samples from: softmax(logits / T), top-p truncated and renormalised."""
-    probs = torch.softmax(logits / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        ordered, order = probs.sort(dim=-1, descending=True)
-        ordered = ordered.masked_fill(ordered.cumsum(-1) - ordered > params.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, ordered)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+    """What a row of these params samples from: softmax(logits / T) after the sampler's own top-k / top-p cut."""
+    scaled = logits / params.temperature
+    ordered, order = scaled.sort(dim=-1, descending=True)
+    rows = len(scaled)
+    removed = truncation_mask(ordered, torch.full((rows,), params.top_k), torch.full((rows,), float(params.top_p)))
+    removed = torch.empty_like(removed).scatter_(1, order, removed)
+    return torch.softmax(scaled.masked_fill(removed, float("-inf")), dim=-1)
 
 
 def agreement(policy_logits: torch.Tensor, draft_logits: torch.Tensor, params: SamplingParams, keys: int) -> dict:
