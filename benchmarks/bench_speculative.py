@@ -397,15 +397,16 @@ VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max
 
 
 def vllm_rows(workload: Workload, rounds: int) -> list[dict]:
-    """vLLM's CPU build (benchmarks/vllm_ngram.py in its own virtualenv) on the workload's steps, speculation off and
+    """vLLM's CPU build (benchmarks/vllm_ngram.py in its own virtualenv, through bench_vllm.run_child) on the
+    workload's steps, speculation off and
     with its n-gram drafts (`VLLM_NGRAM`: the row's own prompt and completion, as this engine's "context" source),
     each in a fresh process, alternating round by round. vLLM rows are unseeded (a seed crashes its CPU sampler) and
     its speculation draws its own randomness, so the two runs need not sample the same tokens."""
-    import subprocess
+    from pathlib import Path
 
     import torch
 
-    from bench_vllm import VLLM_PYTHON, vllm_ready
+    from bench_vllm import run_child, vllm_ready
 
     why_not = vllm_ready()
     if why_not is not None:
@@ -423,18 +424,11 @@ def vllm_rows(workload: Workload, rounds: int) -> list[dict]:
             runs = {}
             for mode, spec in (("off", None), ("ngram", VLLM_NGRAM)):
                 job = dict(model=workload.path, threads=torch.get_num_threads(), kv_gib=4, speculation=spec,
-                           steps=steps, out=os.path.join(tmp, f"{mode}-{round_}.json"))
-                job_path = os.path.join(tmp, "job.json")
-                with open(job_path, "w") as f:
-                    json.dump(job, f)
-                proc = subprocess.run([str(VLLM_PYTHON), os.path.join(os.path.dirname(__file__), "vllm_ngram.py"),
-                                       job_path], capture_output=True, text=True, timeout=3600,
-                                      env=dict(os.environ, OMP_NUM_THREADS=str(job["threads"])))
-                if proc.returncode != 0:
-                    print(f"# vLLM {mode} failed: {(proc.stderr or proc.stdout).strip().splitlines()[-6:]}")
+                           steps=steps)
+                runs[mode] = run_child("vllm-ngram", job, Path(tmp), timeout=3600)
+                if "error" in runs[mode]:
+                    print(f"# vLLM {mode} failed: {runs[mode]['error']}")
                     return rows
-                with open(job["out"]) as f:
-                    runs[mode] = json.load(f)
             spec = runs["ngram"]["spec"] or {}
             for off, on in zip(runs["off"]["steps"], runs["ngram"]["steps"]):
                 temperature, epoch = off["name"].split("|")

@@ -144,8 +144,11 @@ def _timed_steps(job: dict, step, startup: float) -> dict:
 
 def child_main(engine: str, job_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
-    result = (run_rollout if engine == "rollout" else run_vllm)(job)
-    Path(job["out"]).write_text(json.dumps(result))
+    if engine == "vllm-ngram":  # bench_speculative.py --vllm: its steps, off vs vLLM's n-gram speculation
+        from vllm_ngram import run as runner
+    else:
+        runner = run_rollout if engine == "rollout" else run_vllm
+    Path(job["out"]).write_text(json.dumps(runner(job)))
 
 
 # ---------------------------------------------------------------------------------------------------- setup
@@ -215,7 +218,8 @@ def logprob_gap(model, rows: list[dict]) -> tuple[float, float]:
 
 
 def run_child(engine: str, job: dict, workdir: Path, timeout: float) -> dict:
-    """Run one engine process on `job`; its result, or {"error": ...}."""
+    """Run one engine process on `job` ("rollout" here, "vllm" or "vllm-ngram" in vLLM's virtualenv); its result,
+    or {"error": ...}."""
     job = dict(job, out=str(workdir / f"{engine}-{time.monotonic_ns()}.json"))
     job_path = workdir / "job.json"
     job_path.write_text(json.dumps(job))

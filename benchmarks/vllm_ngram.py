@@ -1,20 +1,21 @@
 """vLLM's CPU build on bench_speculative's steps, with and without its n-gram speculation (run in vLLM's virtualenv).
 
-    benchmarks/.vllm/venv/bin/python benchmarks/vllm_ngram.py JOB.json    # bench_speculative.py --vllm runs this
+    python benchmarks/bench_speculative.py --vllm --workloads policy    # runs `run` as bench_vllm's "vllm-ngram" child
 
 JOB: {"model": dir, "threads": int, "kv_gib": int, "speculation": null or vLLM's speculative_config,
 "steps": [{"name": str, "prompts": [[ids]], "params": [{"n", "temperature", "top_p", "max_tokens"}]}], "out": path}.
 Every step of the job runs once untimed on the prompts reversed (vLLM compiles and sizes its buffers there), then once
 timed. The result (JSON at "out"): per step its seconds, completion tokens and rows, and vLLM's speculation counters
-over the timed steps when it has them. This file imports nothing of rollout: vLLM pins an older transformers.
+over the timed steps when it has them. This file imports nothing of rollout (nor does bench_vllm's child): vLLM pins
+an older transformers.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
+
+from bench_vllm import VLLM_AS_RL_STACKS_RUN_IT  # vLLM as the RL stacks configure it, as bench_vllm runs it
 
 STOP_IDS = [2]  # the policy's EOS (the engine stops there too); vLLM, given token ids only, knows no tokenizer's
 
@@ -29,7 +30,7 @@ def run(job: dict) -> dict:
     torch.set_num_threads(job["threads"])
     extra = {} if job["speculation"] is None else {"speculative_config": job["speculation"]}
     llm = LLM(model=job["model"], dtype="float32", seed=0, skip_tokenizer_init=True, disable_log_stats=False,
-              enable_prefix_caching=True, max_num_seqs=256, max_num_batched_tokens=4096, **extra)
+              **VLLM_AS_RL_STACKS_RUN_IT, **extra)
 
     def step(spec: dict, prompts: list[list[int]]) -> tuple[float, int, list[list[int]]]:
         params = [SamplingParams(n=p["n"], temperature=p["temperature"], top_p=p["top_p"], top_k=0,
@@ -62,9 +63,3 @@ def counters(llm) -> dict:
               "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
     return {wanted[m.name]: float(m.value) for m in metrics if m.name in wanted and hasattr(m, "value")}
 
-
-if __name__ == "__main__":
-    job = json.loads(open(sys.argv[1]).read())
-    result = run(job)
-    with open(job["out"], "w") as f:
-        json.dump(result, f)
