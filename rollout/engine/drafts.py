@@ -53,6 +53,7 @@ class ContextSource:
     excluded, so a lookup of the current suffix finds an earlier occurrence)."""
 
     name = "context"
+    keyed = True  # proposes by n-gram lookup (draft_model.ModelSource does not)
 
     def __init__(self, tokens: list[int], min_ngram: int, max_ngram: int,
                  prompt_index: dict[tuple[int, ...], int] | None = None) -> None:
@@ -146,6 +147,7 @@ class HistorySource:
     """A row's view of its prompt's history (the `PromptHistory` current when the row started)."""
 
     name = "history"
+    keyed = True
 
     def __init__(self, history: PromptHistory) -> None:
         self.history = history
@@ -183,7 +185,7 @@ class RowDrafts:
         for n in range(min(self.max_ngram, length), self.min_ngram - 1, -1):
             key = tuple(tokens[length - n:])
             for source in self.sources:
-                if not getattr(source, "keyed", True):
+                if not source.keyed:
                     continue
                 try:
                     draft = source.lookup(key, k)
@@ -192,7 +194,7 @@ class RowDrafts:
                     return []
                 if draft:
                     return draft
-        for source in [s for s in self.sources if not getattr(s, "keyed", True)]:
+        for source in [s for s in self.sources if not s.keyed]:
             try:
                 return source.draft(k)
             except Exception as error:  # noqa: BLE001
