@@ -13,6 +13,8 @@ Public but internal (no underscore, same risk):
 - `background_thread_status.fatal_error` (core.py `Engine.is_alive`): how a loop that died is told from one that
   runs; the engine then rebuilds the manager and re-runs what it lost.
 - `manager.input_queue` (upstream/manager.py): where submitted RequestStates wait for the scheduler.
+- `background_thread_status.request_stop` / `is_pause_requested`, `distributed_helper.global_rank` and
+  `manager.join` (upstream/manager.py): the steps of upstream's `stop()` that ours replays without its collections.
 - The `output_ids` row layout (runner.py writes it): row 0 the sampled tokens, row 1 their logprobs as the int32
   view of fp32 values; upstream reads both back when it updates the batch.
 - `PagedAttentionMemoryHandler.num_attention_masks` / `.kv_heads_at_peak` (memory.py patches `__init__` to set
@@ -184,6 +186,23 @@ def test_the_hooked_methods_keep_their_signatures():
     assert "threading.Thread(target=self._run_generation_loop)" in source
     ledger = BlockLedger()
     assert ledger.hash_to_block == {} and ledger.block_to_hash == {} and ledger.cached_blocks == {}
+
+
+def test_stop_and_the_processors_finaliser_do_only_what_ours_replay_and_a_collection():
+    # RolloutManager.stop replays stop() and RolloutProcessor.__del__ replays __del__, each without gc.collect() (and
+    # empty_cache, done by stop on CUDA): a step upstream adds to either must be replayed too
+    def calls(function) -> set[str]:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+        return {ast.unparse(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+
+    collection = {"gc.collect", "torch.get_device_module", "hasattr", "device_module.empty_cache"}
+    assert calls(ContinuousBatchingManager.stop) == collection | {
+        "RuntimeError", "logger.info", "logger.warning", "perf_counter", "self.background_thread_status.request_stop",
+        "self.background_thread_status.is_pause_requested", "self.join", "self.model.set_attn_implementation"}
+    assert calls(ContinuousBatchProcessor.__del__) == collection
+    assert "self.inputs_and_outputs = None" in inspect.getsource(ContinuousBatchProcessor.__del__)
+    stop = inspect.getsource(ContinuousBatchingManager.stop)
+    assert "self.batch_processor = None" in stop and "self._original_attn_impl = None" in stop
 
 
 def test_the_loop_runs_the_batch_processor_built_before_it_started(worker):

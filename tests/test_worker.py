@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from conftest import reference_logprobs
@@ -378,3 +381,39 @@ def test_worker_and_fleet_are_both_rollouts_by_signature(shared):
                 (cls.__name__, name)
             if any(p.kind is p.VAR_KEYWORD for p in want):
                 assert any(p.kind is p.VAR_KEYWORD for p in have), (cls.__name__, name)
+
+
+@pytest.mark.parametrize("how", ["close", "sleep", "restart"])
+def test_a_dropped_engine_frees_its_kv_cache_at_once_with_no_full_collection(tiny, inject_engine_fault, how):
+    """Nothing the engine builds holds the KV cache in a reference cycle, so closing or sleeping a worker, or
+    rebuilding a dead engine, frees the old cache at once, with the cycle collector off; and none of them runs a full
+    collection (upstream's stop() ran two, 0.2-0.5 s each in a process that has imported torch and transformers)."""
+    model, tok = tiny
+    full_collections = []
+
+    def on_collect(phase: str, info: dict) -> None:
+        if phase == "start" and info["generation"] == 2:
+            full_collections.append(info)
+
+    params = SamplingParams(n=2, max_new_tokens=6, ignore_eos=True, seed=1, top_logprobs=2)
+    gc.collect()
+    gc.disable()
+    gc.callbacks.append(on_collect)
+    try:
+        worker = RolloutWorker(model, WorkerConfig(page_size=4, num_blocks=64), tokenizer=tok)
+        cache = weakref.ref(worker.engine._manager.batch_processor.cache.cache_tensor)
+        plain = worker.generate([[5, 6, 7]], params)
+        if how == "restart":
+            inject_engine_fault(at_step=1)
+            again = worker.generate([[5, 6, 7]], params)
+            assert worker.engine.num_restarts == 1 and torch.equal(again.completion_ids, plain.completion_ids)
+        elif how == "sleep":
+            worker.sleep()
+        else:
+            worker.close()
+        assert cache() is None
+        assert full_collections == []
+    finally:
+        gc.callbacks.remove(on_collect)
+        gc.enable()
+        worker.close()

@@ -23,13 +23,12 @@ The engine knows token ids and SamplingParams, nothing about tokenizers or train
 from __future__ import annotations
 
 import contextlib
-import gc
 import itertools
 import logging
 import threading
 import time
+import traceback
 
-import torch
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -61,14 +60,6 @@ LOG = logging.getLogger("rollout")
 SEEDED, UNSEEDED = 1, 2
 PAUSE_TRIES = 3  # engines in a row that may die while a pause is asked for before the pause fails
 SLOTS_PER_BATCH_ROW = 4  # the slot table's first capacity, per row of a step (it grows when every slot is live)
-
-
-def release_memory() -> None:
-    """Free what a dropped manager held, now: its objects refer to each other (the runner, its slot table, the
-    manager's arguments), so only the cycle collector frees them; then hand cached device blocks back to the driver."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 class Engine:
@@ -189,12 +180,11 @@ class Engine:
                 self._release_loop()  # a held engine stays held: the manager built at wake pauses at once
                 manager, self._manager = self._manager, None
             if manager is not None:
-                manager.stop(block=True, timeout=30)  # joins the thread, drops the batch processor
+                manager.stop(block=True, timeout=30)  # joins the thread, frees the batch processor and its cache
                 onednn.forget(self.model.parameters())  # packed weights go back too
                 self.counters.slept()
                 del manager
                 self._stop_recording()
-                release_memory()
         finally:
             with self._cond:
                 self._updating = False
@@ -241,6 +231,8 @@ class Engine:
         self._release_loop()  # the dead manager's pause, if held (re-taken on the new one)
         with contextlib.suppress(Exception):
             old.stop(block=True, timeout=30)
+        if error is not None:  # its frames hold the dead loop's batch processor: its cache is freed now, not whenever
+            traceback.clear_frames(error.__traceback__)  # the cycle collector next runs (a log record may keep it)
         self.num_restarts += 1
         self._manager = self._build_manager()
         self._pause_loop()

@@ -42,6 +42,9 @@ HOOKS: tuple[Hook, ...] = (
          "one step's forward, whose start and end a TurnTrace records"),
     Hook("_generation_thread", "ContinuousBatchingManager", ("upstream/manager.py",),
          "the loop thread is_running() and stop() look at, set by our daemon start()"),
+    Hook("_original_attn_impl", "ContinuousBatchingManager", ("upstream/manager.py",),
+         "the attention a manager switched the model from, which stop() puts back; ours replays upstream's stop() "
+         "without its full garbage collections"),
     Hook("_wake_up_loop", "ContinuousBatchingManager", ("upstream/manager.py",),
          "add_request cannot submit a RequestState with our request id, children and eos list, so submit() puts it "
          "on input_queue itself and wakes the idle loop the same way"),

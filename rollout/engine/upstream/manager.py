@@ -7,18 +7,20 @@
   before), so that the cache, scheduler, offloading manager, model runner and step buffers can take their hooks
   (`Hooks`) before any step runs.
 - `start()` runs the loop on a daemon thread (upstream's is not: a process that never closed its worker would hang
-  at exit); `submit(state)` queues a RequestState the engine built itself (`add_request` cannot carry our request id,
+  at exit); `stop()` is upstream's without its two full garbage collections (see `stop`); `submit(state)` queues a RequestState the engine built itself (`add_request` cannot carry our request id,
   children and eos list) and wakes the idle loop the way `add_request` does.
 """
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+import torch
+from transformers.generation.continuous_batching.continuous_api import BackgroundThreadStatus, ContinuousBatchingManager
 from transformers.generation.continuous_batching.model_runner import infer_max_single_request_tokens
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestState
 
@@ -87,6 +89,34 @@ class RolloutManager(ContinuousBatchingManager):
         self._generation_thread = threading.Thread(target=self._run_generation_loop, daemon=True,
                                                    name="rollout-engine")
         self._generation_thread.start()
+
+    def stop(self, block: bool = True, timeout: float | None = None, keep_for_next_session: bool = False,
+             hard_stop: bool = False) -> None:
+        """upstream's `stop()` without its full garbage collections (one here, one in the dropped batch processor's
+        `__del__`, see RolloutProcessor): each walks every object of the process, 0.2-0.5 s once torch and
+        transformers are imported, paid at every close, sleep and engine restart. Nothing the engine builds holds the
+        KV cache in a reference cycle (tests/test_worker.py pins it with the collector off), so dropping the batch
+        processor frees the cache at once. On CUDA one collection stays, then the cached blocks go back to the driver:
+        captured graphs are not checked for cycles on this machine. Keeping the manager for a next session (which the
+        engine never asks) is upstream's own path."""
+        if keep_for_next_session:
+            return super().stop(block, timeout, keep_for_next_session, hard_stop)
+        if self._generation_thread is None:
+            return
+        if self.background_thread_status.is_pause_requested(local=True):
+            raise RuntimeError("cannot stop the engine loop from inside its pause: it would wait forever. Fix: leave "
+                               "the pause first")
+        status = BackgroundThreadStatus.HARD_STOP if hard_stop else BackgroundThreadStatus.FLUSH_AND_STOP
+        self.background_thread_status.request_stop(status, self.distributed_helper.global_rank)
+        if block:
+            self.join(time.perf_counter(), timeout)
+        self.batch_processor = None  # the cache, runner and step buffers go with it
+        if self._original_attn_impl is not None:
+            self.model.set_attn_implementation(self._original_attn_impl)
+            self._original_attn_impl = None
+        if torch.cuda.is_available():
+            gc.collect()
+            torch.cuda.empty_cache()
 
     def has_thread(self) -> bool:
         return self._generation_thread is not None

@@ -21,6 +21,7 @@ Pinned by tests/test_upstream_contract.py (the hooked signatures, the output and
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -88,7 +89,10 @@ class RolloutModelRunner(ModelRunner):
     @classmethod
     def adopt(cls, runner: ModelRunner) -> "RolloutModelRunner":
         runner.__class__ = cls
-        runner.logit_processor.table.on_grow = runner.drop_graphs
+        # the table reaches the runner weakly: a bound method would close a cycle (runner -> its row args -> the
+        # table -> runner) that keeps the KV cache alive past the manager until the cycle collector runs
+        runner_ref = weakref.ref(runner)
+        runner.logit_processor.table.on_grow = lambda: (r := runner_ref()) is not None and r.drop_graphs()
         return runner  # type: ignore[return-value]
 
     def _forward_process_and_sample(self, model, batch_data, carry_over_ids, prev_output_ids, output_ids) -> None:

@@ -259,6 +259,11 @@ class RolloutProcessor(ContinuousBatchProcessor):
         processor.__class__ = cls
         processor.verifier = verifier
 
+    def __del__(self) -> None:
+        """upstream's drops the step buffers (their CUDA graphs) first, then runs a full garbage collection and empties
+        the device cache: RolloutManager.stop does both where they are needed, once, after the processor is gone."""
+        self.inputs_and_outputs = None
+
     def update_batch(self) -> None:
         verifier = self.verifier
         if verifier is None:
