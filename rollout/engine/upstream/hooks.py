@@ -47,7 +47,7 @@ HOOKS: tuple[Hook, ...] = (
          "without its full garbage collections"),
     Hook("_wake_up_loop", "ContinuousBatchingManager", ("upstream/manager.py",),
          "add_request cannot submit a RequestState with our request id, children and eos list, so submit() puts it "
-         "on input_queue itself and wakes the idle loop the same way"),
+         "on input_queue itself and wakes the idle loop the same way; stop() wakes it to see the stop at once"),
     Hook("_attn_implementation", "PretrainedConfig", ("upstream/attention.py", "upstream/blocktable.py",
                                                       "upstream/manager.py", "upstream/memory.py"),
          "the attention a model runs; transformers has a setter (set_attn_implementation) but no public getter "

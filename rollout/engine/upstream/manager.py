@@ -7,8 +7,9 @@
   before), so that the cache, scheduler, offloading manager, model runner and step buffers can take their hooks
   (`Hooks`) before any step runs.
 - `start()` runs the loop on a daemon thread (upstream's is not: a process that never closed its worker would hang
-  at exit); `stop()` is upstream's without its two full garbage collections (see `stop`); `submit(state)` queues a RequestState the engine built itself (`add_request` cannot carry our request id,
-  children and eos list) and wakes the idle loop the way `add_request` does.
+  at exit); `stop()` is upstream's without its two full garbage collections (see `stop`); `submit(state)` queues a
+  RequestState the engine built itself (`add_request` cannot carry our request id, children and eos list) and wakes
+  the idle loop the way `add_request` does.
 """
 
 from __future__ import annotations
@@ -93,12 +94,13 @@ class RolloutManager(ContinuousBatchingManager):
     def stop(self, block: bool = True, timeout: float | None = None, keep_for_next_session: bool = False,
              hard_stop: bool = False) -> None:
         """upstream's `stop()` without its full garbage collections (one here, one in the dropped batch processor's
-        `__del__`, see RolloutProcessor): each walks every object of the process, 0.2-0.5 s once torch and
-        transformers are imported, paid at every close, sleep and engine restart. Nothing the engine builds holds the
-        KV cache in a reference cycle (tests/test_worker.py pins it with the collector off), so dropping the batch
-        processor frees the cache at once. On CUDA one collection stays, then the cached blocks go back to the driver:
-        captured graphs are not checked for cycles on this machine. Keeping the manager for a next session (which the
-        engine never asks) is upstream's own path."""
+        `__del__`, see RolloutProcessor), and with the idle loop woken to see the stop at once (it would wait out
+        its 0.1 s poll). Each collection walks every object of the process, 0.2-0.5 s once torch and transformers
+        are imported, paid at every close, sleep and engine restart. Nothing the engine builds holds the KV cache in
+        a reference cycle (tests/test_worker.py pins it with the collector off), so dropping the batch processor
+        frees the cache at once. On CUDA one collection stays, then the cached blocks go back to the driver:
+        captured graphs are not checked for cycles on this machine. Keeping the manager for a next session (which
+        the engine never asks) is upstream's own path."""
         if keep_for_next_session:
             return super().stop(block, timeout, keep_for_next_session, hard_stop)
         if self._generation_thread is None:
@@ -108,6 +110,7 @@ class RolloutManager(ContinuousBatchingManager):
                                "the pause first")
         status = BackgroundThreadStatus.HARD_STOP if hard_stop else BackgroundThreadStatus.FLUSH_AND_STOP
         self.background_thread_status.request_stop(status, self.distributed_helper.global_rank)
+        self._wake_up_loop.set()
         if block:
             self.join(time.perf_counter(), timeout)
         self.batch_processor = None  # the cache, runner and step buffers go with it
