@@ -95,7 +95,7 @@ class RolloutManager(ContinuousBatchingManager):
              hard_stop: bool = False) -> None:
         """upstream's `stop()` without its full garbage collections (one here, one in the dropped batch processor's
         `__del__`, see RolloutProcessor), and with the idle loop woken to see the stop at once (it would wait out
-        its 0.1 s poll). Each collection walks every object of the process, 0.2-0.5 s once torch and transformers
+        its 0.1 s poll). Each collection walks every object of the process, 0.2-0.3 s once torch and transformers
         are imported, paid at every close, sleep and engine restart. Nothing the engine builds holds the KV cache in
         a reference cycle (tests/test_worker.py pins it with the collector off), so dropping the batch processor
         frees the cache at once. On CUDA one collection stays, then the cached blocks go back to the driver:
@@ -117,7 +117,7 @@ class RolloutManager(ContinuousBatchingManager):
         if self._original_attn_impl is not None:
             self.model.set_attn_implementation(self._original_attn_impl)
             self._original_attn_impl = None
-        if torch.cuda.is_available():
+        if self.model.device.type == "cuda":
             gc.collect()
             torch.cuda.empty_cache()
 
