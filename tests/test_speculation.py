@@ -229,9 +229,64 @@ def test_a_failing_draft_source_gives_no_drafts_and_the_same_rows(tiny, monkeypa
 def test_speculation_config_is_validated_by_name():
     with pytest.raises(InvalidArgument, match="speculation"):
         WorkerConfig(speculation="ngram")
-    with pytest.raises(InvalidArgument, match="record_routing"):
-        WorkerConfig(speculation=Speculation(), record_routing=True)
-    assert WorkerConfig(speculation=Speculation(mode="off"), record_routing=True).record_routing
+    assert WorkerConfig(speculation=Speculation(), record_routing=True).record_routing
+
+
+def test_drafted_moe_rows_record_the_routing_of_the_positions_they_kept_and_nothing_of_rejected_drafts(
+        moe_paths, monkeypatch):
+    """record_routing with speculation: a verify forward routes its row's draft positions too; only those the row
+    kept are recorded, and no page holding a rejected draft is ever indexed. Rows equal speculation off's, every
+    position carries the routing a plain forward of the row gives (no hole), and a second call whose prompts are the
+    first call's whole rows reuses their cached pages, completions included, with the routing recorded for them."""
+    from rollout.engine.recorder import RoutingHole, RoutingRecorder
+    from rollout.moe import capture_routing
+
+    holes = []
+    take = RoutingRecorder.take
+
+    def watched(self, request_id, num_positions):
+        try:
+            return take(self, request_id, num_positions)
+        except RoutingHole as hole:
+            holes.append(str(hole))
+            raise
+
+    monkeypatch.setattr(RoutingRecorder, "take", watched)
+    model, tok = load_tiny_model(moe_paths["qwen3_moe"])
+    prompts = prompts_of([9, 4, 13], seed=5)
+    params = [SamplingParams(n=3, temperature=1.0, max_new_tokens=23, ignore_eos=True, seed=1),
+              SamplingParams(temperature=0.0, max_new_tokens=17, ignore_eos=True),
+              SamplingParams(n=2, temperature=0.7, top_p=0.9, max_new_tokens=20, ignore_eos=True, seed=2)]
+    config = WorkerConfig(page_size=4, max_batch_tokens=64, record_routing=True)
+    with RolloutWorker(model, config, tokenizer=tok) as worker:
+        plain = worker.generate(prompts, params)
+    monkeypatch.setattr(speculator_module, "DraftIndex", Replay(plain))
+    with RolloutWorker(model, speculative(config), tokenizer=tok) as worker:
+        drafted = worker.generate(prompts, params)
+        counts = worker.engine._speculator.counts
+        rows = [list(drafted.prompt_ids[r]) + drafted.completion_token_lists()[r] for r in range(len(drafted))]
+        again = worker.generate(rows, SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True))
+    assert_same_rows(plain, drafted)
+    assert counts.accepted > 0 and counts.rolled_back > 0
+    assert again.stats["reused_tokens"] >= sum(len(row) - 1 for row in rows) - 4 * len(rows), again.stats
+    assert holes == []
+
+    def own(tokens: list[int]) -> torch.Tensor:
+        with torch.no_grad(), capture_routing(model) as captured:
+            model(torch.tensor([tokens]))
+        return captured[0][: len(tokens) - 1].sort(dim=-1).values
+
+    same = total = 0
+    for batch in (drafted, again):
+        for r in range(len(batch)):
+            tokens = list(batch.prompt_ids[r]) + batch.completion_token_lists()[r]
+            recorded = batch.routing.rows[r].long().sort(dim=-1).values
+            assert recorded.shape[0] == len(tokens) - 1  # every fed position, no more
+            equal = (recorded == own(tokens)).all(dim=-1)
+            same, total = same + int(equal.sum()), total + equal.numel()
+    assert same / total >= 0.999, (same, total)
+    for r, row in enumerate(rows):  # the reused pages carry the routing the verify rows recorded for them
+        assert torch.equal(again.routing.rows[r][: len(row) - 1], drafted.routing.rows[r])
 
 
 class Echo:

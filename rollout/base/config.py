@@ -101,7 +101,7 @@ class WorkerConfig:
         decoding row is fed draft tokens in the same forward as its next token and keeps each draft only where it is
         the very token plain decoding samples there (the counter-based sampler decides every position), so the
         tokens, logprobs and versions are those of plain decoding, bit for bit; only the cost changes. None
-        (default): off. Sync steps only (not with CUDA graphs / async batching), and not with record_routing.
+        (default): off. Sync steps only (not with CUDA graphs / async batching).
     """
 
     page_size: int = 16
@@ -153,10 +153,6 @@ class WorkerConfig:
         if self.speculation is not None and not isinstance(self.speculation, Speculation):
             raise invalid("speculation", self.speculation, "must be a rollout.Speculation or None",
                           "use e.g. Speculation(drafts=('context', 'history')), or None for no speculation")
-        if self.speculation is not None and self.record_routing and self.speculation.mode != "off":
-            raise invalid("speculation", self.speculation, "cannot be on with record_routing=True (a verify "
-                          "forward routes draft positions that are then rolled back)",
-                          "turn speculation off (None or mode='off') while recording routing")
         if self.cpu_linear not in CPU_LINEAR_KERNELS:
             raise invalid("cpu_linear", self.cpu_linear, f"must be one of {CPU_LINEAR_KERNELS}",
                           "use 'blas' (torch's own kernels), 'auto' (oneDNN where MKL is slow) or 'onednn'")

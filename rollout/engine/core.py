@@ -142,7 +142,7 @@ class Engine:
             # the prefix index keeps the routing of up to twice the cache's tokens (a few bytes per token)
             self._recorder = RoutingRecorder(self.model, self._routers, self.config.page_size,
                                              2 * processor.cache.num_blocks * self.config.page_size)
-            self._recorder.attach(processor.cache, processor.inputs_and_outputs)
+            self._recorder.attach(processor.cache, processor.inputs_and_outputs, processor.scheduler.verifier)
 
     def _stop_recording(self) -> None:
         if self._recorder is not None:
@@ -258,7 +258,10 @@ class Engine:
         return not params.adjusts_logits and not params.is_constrained  # a grammar advances once per step
 
     def _drafted(self, request_id: str, drafted: int, accepted: int) -> None:
-        """A verify row's counts, on its sample (engine thread; a forked child's on its own sample)."""
+        """A verify row's counts, on its sample (engine thread; a forked child's on its own sample); the routing
+        recorder keeps the positions of the drafts it accepted."""
+        if self._recorder is not None:
+            self._recorder.verified(request_id, accepted)
         sample = self._requests.pending.get(request_id)
         if sample is not None:
             sample.draft_tokens += drafted

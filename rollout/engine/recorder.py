@@ -14,6 +14,10 @@ Positions a request did not compute itself are filled from where they were compu
   with the prefix cache at every weight change);
 - a preempted request re-prefilled keeps its own buffer (the positions are rewritten by the re-prefill, the ones a
   prefix hit serves were computed under the same weights).
+- a verify row (speculation) writes its next token's position and its drafts' after it: only the first is the
+  request's for certain. The rest are counted once the step settles (`verified`: as many as the row kept; or, if no
+  word came, by the request's next write, which starts past what it kept) and until then serve nothing: no page
+  holding a draft the row may reject is ever registered in the prefix index.
 
 Weight changes (`forget`, at every switch) start a new epoch: the prefix index is cleared, and a buffer computed
 under older weights serves no later request. A request soft reset after a switch (mode "recompute", which resets
@@ -73,19 +77,27 @@ def _inert():
 
 class Buffer:
     """One request's routing: `data[p]` = (layers, top_k) experts at position p; `tokens[p]` the token fed there;
-    positions [0, length) are filled."""
+    positions [0, length) are filled; [length, drafted_end) hold a verify row's draft positions, not yet known kept."""
 
     def __init__(self, num_layers: int, top_k: int, dtype: torch.dtype, epoch: int) -> None:
         self.data = torch.zeros((64, num_layers, top_k), dtype=dtype)
         self.tokens: list[int] = []
         self.length = 0
+        self.drafted_end = 0
+        self.draft_start = 0  # the position of the last verify row's first token
         self.pages: list[int] = []  # chain hashes of the full pages registered so far
         self.epoch = epoch  # the weights its positions were computed under (the recorder's epoch then)
         self.soft_reset = False  # its KV was dropped: its next write is a re-prefill
 
     def restart(self, epoch: int) -> None:
         """Its positions are all computed again (or served from the cache) under the weights of `epoch`."""
-        self.tokens, self.length, self.pages, self.epoch = [], 0, [], epoch
+        self.tokens, self.length, self.drafted_end, self.pages, self.epoch = [], 0, 0, [], epoch
+
+    def keep_drafts(self, end: int) -> None:
+        """The verify row's positions before `end` were kept (the rest were rejected drafts)."""
+        if self.drafted_end > self.length:
+            self.length = max(self.length, min(end, self.drafted_end))
+            self.drafted_end = 0
 
     def write(self, start: int, values: torch.Tensor, tokens: list[int]) -> None:
         end = start + values.shape[0]
@@ -150,14 +162,25 @@ class RoutingRecorder:
         self.epoch = 0  # weight changes so far
         self.cache = None  # this manager's paged cache: the engine's forwards pass it
         self.ios = None  # the step's inputs and outputs (requests_in_batch, in the forward's order)
+        self.verifier = None  # speculation's Verifier, if the engine drafts
         self._thread: int | None = None  # the thread running the engine's forward, while it runs
         self._step: list[torch.Tensor | None] = [None] * len(routers)
         self._handles = [r.module.register_forward_hook(ModelHook(self._capture(i))) for i, r in enumerate(routers)]
         self._handles.append(model.register_forward_pre_hook(ModelHook(self._begin), with_kwargs=True))
         self._handles.append(model.register_forward_hook(ModelHook(self._end), with_kwargs=True))
 
-    def attach(self, cache, ios) -> None:
-        self.cache, self.ios = cache, ios
+    def attach(self, cache, ios, verifier=None) -> None:
+        """This manager's cache, step inputs, and speculation's `Verifier` (None: no drafts), whose `drafted` names
+        the step's verify rows while its forward runs."""
+        self.cache, self.ios, self.verifier = cache, ios, verifier
+
+    def verified(self, request_id: str, accepted: int) -> None:
+        """A verify row settled with `accepted` drafts kept: their positions count, the rejected ones' never do."""
+        buffer = self.buffers.get(request_id)
+        if buffer is not None:
+            buffer.keep_drafts(buffer.draft_start + 1 + accepted)
+            if buffer.epoch == self.epoch:
+                self.index.register(buffer)
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -231,9 +254,12 @@ class RoutingRecorder:
             buffer.soft_reset = False
             if buffer.epoch != self.epoch:
                 buffer.restart(self.epoch)
+        buffer.keep_drafts(first)  # a verify row's drafts before this write were kept (if no `verified` came)
         if first > buffer.length:
             self._fill(request_id, buffer, first, state.initial_tokens)
         buffer.write(first, values, tokens)
+        if self.verifier is not None and request_id in self.verifier.drafted and buffer.length > first:
+            buffer.length, buffer.drafted_end, buffer.draft_start = first + 1, first + len(tokens), first
         if buffer.epoch == self.epoch:  # old-weight routing (mode "keep") serves no request after the switch
             self.index.register(buffer)
 
