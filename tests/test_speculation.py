@@ -677,3 +677,72 @@ def test_a_failing_draft_model_gives_no_drafts_and_the_same_rows(tiny, tiny_path
         drafted = worker.generate(prompts, params)
     assert_same_rows(plain, drafted)
     assert drafted.stats.get("draft_tokens", 0) == 0
+
+
+def test_stop_strings_cut_drafted_rows_where_they_cut_plain_ones_streamed_or_not(tiny, monkeypatch):
+    """Through the server: a stop string that completes inside a verify row (which hands the row several tokens at
+    once) cuts the text and tokens exactly where speculation off cuts them, whole or streamed."""
+    import openai
+
+    import rollout
+
+    model, tok = tiny
+    prompt = prompts_of([6], seed=4)[0]
+    config = WorkerConfig(page_size=4, max_batch_tokens=64)
+    asked = dict(model="tiny", prompt=prompt, max_tokens=30, seed=3, extra_body={"ignore_eos": True})
+
+    def answers(worker, stop: str | None) -> list[tuple]:
+        server = rollout.serve(worker, port=0, model_name="tiny")
+        try:
+            client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=600)
+            whole = client.completions.create(**asked, stop=stop).choices[0]
+            streamed, ids, finish = "", [], None
+            for chunk in client.completions.create(**asked, stop=stop, stream=True):
+                for c in chunk.choices:
+                    streamed += c.text or ""
+                    ids += (c.model_extra or {}).get("token_ids", [])
+                    finish = c.finish_reason or finish
+            return [(whole.text, whole.model_extra["token_ids"], whole.finish_reason), (streamed, ids, finish)]
+        finally:
+            server.close()
+
+    with RolloutWorker(model, config, tokenizer=tok) as worker:
+        free = answers(worker, None)[0]
+        text, ids = free[0], free[1]
+        stop = text[len(text) // 2: len(text) // 2 + 3]
+        assert len(stop) == 3 and stop.strip(), text
+        plain = answers(worker, stop)
+    assert plain[0][2] == "stop" and plain[0][0] == text[: text.find(stop)] and len(plain[0][1]) < len(ids)
+    monkeypatch.setattr(speculator_module, "DraftIndex", ReplayDrafts([prompt + ids], VOCAB))
+    with RolloutWorker(model, speculative(config), tokenizer=tok) as worker:
+        drafted = answers(worker, stop)
+        counts = worker.engine._speculator.counts
+    assert drafted == plain
+    assert counts.accepted > 0 and counts.rolled_back > 0
+
+
+def test_a_call_cancelled_while_its_rows_verify_drafts_releases_every_page_and_the_next_call_is_plains(tiny,
+                                                                                                     monkeypatch):
+    from concurrent.futures import CancelledError
+
+    model, tok = tiny
+    prompts = prompts_of([7, 12], seed=6)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=160, ignore_eos=True, seed=8)
+    config = WorkerConfig(page_size=4, max_batch_tokens=64)
+    with RolloutWorker(model, config, tokenizer=tok) as worker:
+        plain = worker.generate(prompts, params)
+    monkeypatch.setattr(speculator_module, "DraftIndex", Replay(plain))
+    with RolloutWorker(model, speculative(config), tokenizer=tok) as worker:
+        counts = worker.engine._speculator.counts
+        future = worker.submit(prompts, params)
+        deadline = time.monotonic() + 60
+        while counts.verify_rows < 8 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert counts.verify_rows >= 8 and future.cancel()
+        with pytest.raises(CancelledError):
+            future.result()
+        while (worker.engine._requests.pending or worker.metrics().kv_pages_used) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the loop drops the cancelled requests at its next step
+        assert not worker.engine._requests.pending and worker.metrics().kv_pages_used == 0
+        again = worker.generate(prompts, params)
+    assert_same_rows(plain, again)
