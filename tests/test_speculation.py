@@ -315,7 +315,11 @@ def test_episodes_draft_model_turns_only_and_equal_plain_episodes(tiny, monkeypa
     assert counts.emitted <= int(drafted.action_mask.sum())
 
 
-def test_a_recompute_update_mid_call_tags_drafted_tokens_with_the_version_that_verified_them(tiny_path, monkeypatch):
+@pytest.mark.parametrize("mode", ["recompute", "keep", "abort", "wait"])
+def test_an_update_mid_call_tags_drafted_tokens_with_the_version_that_verified_them(tiny_path, monkeypatch, mode):
+    """Every in-flight mode with rows verifying drafts: "recompute" switches mid-row and every token is exact under
+    the weights of its own version; "keep" switches mid-row too (tokens after the switch attend to old-weight KV, by
+    design: only those before it are checked); "abort" re-runs the rows on the new weights; "wait" lands after them."""
     from rollout.testing import load_tiny_model
 
     v0, tok = load_tiny_model(tiny_path)
@@ -334,18 +338,23 @@ def test_a_recompute_update_mid_call_tags_drafted_tokens_with_the_version_that_v
         ledger = worker.engine._requests.ledger
         while not ledger.versions or min(len(v) for v in list(ledger.versions.values())) < 10:
             time.sleep(0.001)
-        worker.update_weights(v1.state_dict(), in_flight="recompute")
+        worker.update_weights(v1.state_dict(), in_flight=mode)
         batch = future.result(timeout=120)
         counts = worker.engine._speculator.counts
     assert counts.accepted > 0
+    expected = {"recompute": {0, 1}, "keep": {0, 1}, "abort": {1}, "wait": {0}}[mode]
     for r in range(len(batch)):
         n = int(batch.completion_lengths[r])
         ids, versions = batch.completion_ids[r, :n].tolist(), batch.token_versions[r, :n]
-        assert set(versions.tolist()) == {0, 1} and (versions[1:] >= versions[:-1]).all()
+        assert set(versions.tolist()) == expected and (versions[1:] >= versions[:-1]).all()
         for version, model in ((0, v0), (1, v1)):
             full, _ = reference_logprobs(model, batch.prompt_ids[r], ids)
             at = versions == version
+            if not at.any() or (mode == "keep" and version == 1):
+                continue  # "keep": attends to KV the old weights computed, its documented approximation
             assert float((batch.logprobs[r, :n][at] - full[at]).abs().max()) <= TOL
+    if mode == "wait":
+        assert_same_rows(plain, batch)
 
 
 def test_metrics_and_batch_stats_count_drafted_accepted_and_rolled_back_tokens(tiny, monkeypatch):
