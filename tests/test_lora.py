@@ -137,6 +137,33 @@ def test_a_worker_generates_exactly_merged_or_not_and_leaves_the_model_exact(tin
         assert_rows_match(policy, batch)
 
 
+@pytest.mark.parametrize("merge", [True, False])
+def test_drafted_rows_on_a_peft_policy_equal_plain_ones_merged_or_not(tiny_path, monkeypatch, merge):
+    """Speculation on a LoRA policy: the verify forward runs the adapters as a decode step does (merged into the
+    weights or not), so the drafted rows are speculation off's and as exact."""
+    import dataclasses
+
+    from rollout import Speculation
+    from rollout.engine import speculator
+    from rollout.testing import ReplayDrafts
+
+    policy, tok = lora_policy(tiny_path, scale=0.3)
+    prompts = [tok.encode("one two three four"), tok.encode("the cat")]
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=24, ignore_eos=True, seed=4)
+    config = WorkerConfig(num_blocks=64, page_size=4, merge_adapters=merge)
+    with RolloutWorker(policy, config, tokenizer=tok) as worker:
+        plain = worker.generate(prompts, params)
+    monkeypatch.setattr(speculator, "DraftIndex", ReplayDrafts.of_batch(plain, len(tok)))
+    speculating = dataclasses.replace(config, speculation=Speculation(mode="always"))
+    with RolloutWorker(policy, speculating, tokenizer=tok) as worker:
+        drafted = worker.generate(prompts, params)
+        counts = worker.engine._speculator.counts
+    assert counts.accepted > 0 and counts.rolled_back > 0
+    assert torch.equal(drafted.completion_ids, plain.completion_ids)
+    assert float((drafted.logprobs - plain.logprobs).abs().max()) <= 1e-5
+    assert_rows_match(policy, drafted)
+
+
 def test_an_adapter_update_landing_while_adapters_are_merged_leaves_exact_weights(tiny_path):
     policy, tok = lora_policy(tiny_path, scale=0.3)
     target = copy.deepcopy(policy)
