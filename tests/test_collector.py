@@ -365,3 +365,32 @@ def test_sampling_may_be_a_function_of_the_prompt_giving_its_groups_params(own):
         with pytest.raises(ValueError, match=r"prompt_index 0 of the prompt stream \(dropped\).*sampling="):
             collector.next_batch(1)
     assert_nothing_left(own)
+
+
+def test_drafted_rows_carried_across_updates_are_exact_under_each_tokens_version(tiny_path, versions):
+    """The collector on a speculating worker: rows verified with drafts (greedy rows of the tiny model fall into
+    loops that their own context drafts) and carried across "recompute" updates keep every token exact under the
+    weights of its own version."""
+    from rollout import Speculation
+
+    greedy = SamplingParams(n=2, temperature=0.0, max_new_tokens=100, stop_token_ids=STOPS)
+    config = WorkerConfig(page_size=16, max_batch_tokens=64, speculation=Speculation(mode="always"))
+    seen, spans = set(), []
+    with RolloutWorker(tiny_path, config) as worker:
+        with RolloutCollector(worker, prompts_of(40, seed=3), greedy, over_sample=3.0, partial=True,
+                              max_staleness=2) as collector:
+            for version in (1, 2, None):
+                batch = collector.next_batch(2)
+                assert worst_gap(versions, batch) <= TOL
+                for r in range(len(batch)):
+                    v = batch.token_versions[r, : int(batch.completion_lengths[r])]
+                    assert (v[1:] >= v[:-1]).all()
+                    seen |= set(v.tolist())
+                    spans.append(len(v.unique()))
+                if version is not None:
+                    wait_progress(worker, tokens=2)
+                    worker.update_weights(versions[version].state_dict(), in_flight="recompute")
+        counts = worker.engine._speculator.counts
+        assert_nothing_left(worker)
+    assert {0, 1} <= seen and max(spans) >= 2, (seen, spans)  # a row carried across an update
+    assert counts.accepted > 0 and counts.rolled_back > 0, counts
