@@ -15,9 +15,9 @@ Positions a request did not compute itself are filled from where they were compu
 - a preempted request re-prefilled keeps its own buffer (the positions are rewritten by the re-prefill, the ones a
   prefix hit serves were computed under the same weights).
 - a verify row (speculation) writes its next token's position and its drafts' after it: only the first is the
-  request's for certain. The rest are counted once the step settles (`verified`: as many as the row kept; or, if no
-  word came, by the request's next write, which starts past what it kept) and until then serve nothing: no page
-  holding a draft the row may reject is ever registered in the prefix index.
+  request's for certain. The drafts it kept are counted when the step settles (`verified`) and until then serve
+  nothing: no page holding a draft the row may reject is ever registered in the prefix index (a settle that never
+  came would leave a hole, and the request would re-run, never return a rejected draft's routing).
 
 Weight changes (`forget`, at every switch) start a new epoch: the prefix index is cleared, and a buffer computed
 under older weights serves no later request. A request soft reset after a switch (mode "recompute", which resets
@@ -77,27 +77,19 @@ def _inert():
 
 class Buffer:
     """One request's routing: `data[p]` = (layers, top_k) experts at position p; `tokens[p]` the token fed there;
-    positions [0, length) are filled; [length, drafted_end) hold a verify row's draft positions, not yet known kept."""
+    positions [0, length) are filled (a verify row's drafts past them, until `RoutingRecorder.verified`)."""
 
     def __init__(self, num_layers: int, top_k: int, dtype: torch.dtype, epoch: int) -> None:
         self.data = torch.zeros((64, num_layers, top_k), dtype=dtype)
         self.tokens: list[int] = []
         self.length = 0
-        self.drafted_end = 0
-        self.draft_start = 0  # the position of the last verify row's first token
         self.pages: list[int] = []  # chain hashes of the full pages registered so far
         self.epoch = epoch  # the weights its positions were computed under (the recorder's epoch then)
         self.soft_reset = False  # its KV was dropped: its next write is a re-prefill
 
     def restart(self, epoch: int) -> None:
         """Its positions are all computed again (or served from the cache) under the weights of `epoch`."""
-        self.tokens, self.length, self.drafted_end, self.pages, self.epoch = [], 0, 0, [], epoch
-
-    def keep_drafts(self, end: int) -> None:
-        """The verify row's positions before `end` were kept (the rest were rejected drafts)."""
-        if self.drafted_end > self.length:
-            self.length = max(self.length, min(end, self.drafted_end))
-            self.drafted_end = 0
+        self.tokens, self.length, self.pages, self.epoch = [], 0, [], epoch
 
     def write(self, start: int, values: torch.Tensor, tokens: list[int]) -> None:
         end = start + values.shape[0]
@@ -175,10 +167,11 @@ class RoutingRecorder:
         self.cache, self.ios, self.verifier = cache, ios, verifier
 
     def verified(self, request_id: str, accepted: int) -> None:
-        """A verify row settled with `accepted` drafts kept: their positions count, the rejected ones' never do."""
+        """A verify row settled with `accepted` drafts kept: their positions (written by its forward, right after its
+        first) count, the rejected ones' never do."""
         buffer = self.buffers.get(request_id)
-        if buffer is not None:
-            buffer.keep_drafts(buffer.draft_start + 1 + accepted)
+        if buffer is not None and accepted:
+            buffer.length += accepted
             if buffer.epoch == self.epoch:
                 self.index.register(buffer)
 
@@ -254,12 +247,11 @@ class RoutingRecorder:
             buffer.soft_reset = False
             if buffer.epoch != self.epoch:
                 buffer.restart(self.epoch)
-        buffer.keep_drafts(first)  # a verify row's drafts before this write were kept (if no `verified` came)
         if first > buffer.length:
             self._fill(request_id, buffer, first, state.initial_tokens)
         buffer.write(first, values, tokens)
         if self.verifier is not None and request_id in self.verifier.drafted and buffer.length > first:
-            buffer.length, buffer.drafted_end, buffer.draft_start = first + 1, first + len(tokens), first
+            buffer.length = first + 1  # its drafts count once `verified` says how many were kept
         if buffer.epoch == self.epoch:  # old-weight routing (mode "keep") serves no request after the switch
             self.index.register(buffer)
 
