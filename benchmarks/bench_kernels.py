@@ -7,7 +7,7 @@ Each row is the mean of a timed loop after a warm-up, both paths in the same pro
 - RMSNorm (hidden 512): transformers' LlamaRMSNorm (torch's ops) against elementwise.rms_norm (the same bits);
 - rotary (8 query heads, 4 KV heads, head dim 64): apply_rotary_pos_emb against elementwise.rotary (the same bits);
 - KV write (4 KV heads x 64, into a 100k-row cache): the allocator's two index_copy_ against decode_kernel.paged_write;
-- linear (oneDNN): the live weight against the packed one (onednn.packed), per shape of the 25M model;
+- linear (oneDNN): the live weight against the packed one (onednn.PackedWeights), per shape of the 25M model;
 - decode attention (GRPO-shaped: groups of n = 8 rows sharing 96 prompt tokens, then 64 or 400 tokens of their own;
   4 KV heads x 64, 2-4 query heads per KV head as in the 25M / ~100M / ~350M models; a 12-layer cache, one call per
   layer as the engine makes them, so each layer's keys come from memory, not the CPU cache): decode_kernel.c's
@@ -30,7 +30,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import machine  # benchmarks/machine.py: the GEMM rate and CPU flags
-from rollout.engine import decode_kernel, elementwise, native, onednn, openmp
+from rollout.engine.kernels import decode_kernel, elementwise, native, onednn, openmp
+from rollout.engine.upstream import install_linear
 from rollout.testing import build_tiny_model, load_tiny_model
 from transformers.models.llama import modeling_llama
 
@@ -132,7 +133,7 @@ def linear_rows(rows: int) -> None:
     g = torch.Generator().manual_seed(rows)
     for out_f, in_f in ((1536, 512), (512, 1536), (8192, 512)):
         x, weight = torch.randn(rows, in_f, generator=g), torch.randn(out_f, in_f, generator=g) * 0.02
-        packed = onednn.packed(weight)
+        packed = onednn.PackedWeights().packed(weight)
         line(f"linear {out_f}x{in_f} (live -> packed)", rows, mean_us(lambda: onednn._linear(x, weight, None)),
              mean_us(lambda: onednn._linear(x, packed, None)))
 
@@ -153,19 +154,17 @@ def forward_rows() -> None:
     ids = torch.randint(10, 8000, (1, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), _Mode():
         mode = mean_us(lambda: model(ids), 2.0)
-    with torch.no_grad(), onednn.OneDNNLinears():
-        onednn.weights_changed()  # the live weights, as the mode read them: only the dispatch differs
-        patched = _live(lambda: mean_us(lambda: model(ids), 2.0))
+    install_linear(onednn.FLAG, onednn.linear)  # what an engine that chose oneDNN does
+    with torch.no_grad(), onednn.OneDNNLinears(_Live()):  # the live weights, as the mode read them: only the
+        patched = mean_us(lambda: model(ids), 2.0)  # dispatch differs
     line("forward, 64 tokens (mode -> patched nn.Linear)", 64, mode, patched)
 
 
-def _live(fn):
-    packed = onednn.packed
-    onednn.packed = lambda weight: weight
-    try:
-        return fn()
-    finally:
-        onednn.packed = packed
+class _Live(onednn.PackedWeights):
+    """Packs nothing: every linear reads its live weight."""
+
+    def packed(self, weight):
+        return weight
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
     python benchmarks/bench_linear.py                  # the 25M test Llama's linears at 16-512 rows (~1 min)
     python benchmarks/bench_linear.py --hidden 1024 --intermediate 2816 --vocab 32768   # the 350M Qwen2's
 
-What `WorkerConfig(cpu_linear=...)` chooses between (rollout/engine/onednn.py): for each (rows, in, out) shape of a
+What `WorkerConfig(cpu_linear=...)` chooses between (rollout/engine/kernels/onednn.py): for each (rows, in, out) shape of a
 decode step, the best of 5 timed batches of `F.linear(x, w)` (torch) and of oneDNN's linear on the same live weight
 (no packed copy), their GFLOP/s, the ratio, and each one's max |error| against a float64 product (unit-scale inputs,
 weights of std 0.02). Prints the machine card first (GEMM rates and ISA flags) and a JSON line last.
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import machine  # benchmarks/machine.py: the GEMM rate and CPU flags
-from rollout.engine import onednn
+from rollout.engine.kernels import onednn
 
 
 def best_us(fn, reps: int = 50) -> float:

@@ -25,9 +25,9 @@ import torch
 
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
 from rollout.engine import runner
-from rollout.engine.sampler import RowSpec, sample_rows
-from rollout.engine.slots import SlotTable
-from rollout.engine.streams import stream_key
+from rollout.engine.sampling.sampler import RowSpec, sample_rows
+from rollout.engine.sampling.slots import SlotTable
+from rollout.engine.sampling.streams import stream_key
 from rollout.testing import build_tiny_model
 
 from clock import RunClock  # benchmarks/clock.py: wall time less SIGSTOP pauses

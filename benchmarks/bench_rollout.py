@@ -253,7 +253,7 @@ def profile_seconds(step_seconds: dict[int, float], budgets: list[int], n: int) 
 def bandwidth_bound(model, args, rows: int, context: int, sizes: list[int], steps) -> dict:
     """Decode tokens/s if every step only read the weights once and each row's KV once, at args.bandwidth_tbs:
     "bound" at all rows and the mean context, "bound@profile" at the ragged step's live rows."""
-    from rollout.engine.sizing import kv_bytes_per_token
+    from rollout.engine.device.sizing import kv_bytes_per_token
 
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     per_token = kv_bytes_per_token(model)
@@ -348,9 +348,9 @@ def main() -> None:
         if args.metrics_ab:  # the first worker's engine, counting nothing
             from unittest import mock
 
-            from rollout.engine.counters import NullCounters
+            from rollout.engine.observe.counters import NullCounters
 
-            with mock.patch("rollout.engine.core.Counters", NullCounters):
+            with mock.patch("rollout.engine.engine.Counters", NullCounters):
                 workers["worker[metrics stubbed]"] = RolloutWorker(model, config_of(args, args.workers.split(",")[0]))
             mem["worker[metrics stubbed]"], last["worker[metrics stubbed]"] = 0.0, []
         rows = args.prompts * args.n
@@ -453,7 +453,7 @@ def measure_counting(model, args, steps) -> dict:
     thread's). The clock's own cost is charged to the counters: an upper bound."""
     from unittest import mock
 
-    from rollout.engine.counters import Counters
+    from rollout.engine.observe.counters import Counters
 
     spent = {"s": 0.0, "calls": 0, "steps": 0}
 
@@ -469,7 +469,7 @@ def measure_counting(model, args, steps) -> dict:
             spent["steps"] += _step
 
         setattr(Timed, name, timed)
-    with mock.patch("rollout.engine.core.Counters", Timed):
+    with mock.patch("rollout.engine.engine.Counters", Timed):
         worker = RolloutWorker(model, config_of(args, args.workers.split(",")[0]))
     try:
         run_worker(worker, *steps[0], args.n)  # warm

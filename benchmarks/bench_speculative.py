@@ -27,7 +27,7 @@ Workloads (functions, so each mode runs the same steps):
   the same call (`rollout.testing.replay`, every draft right), speculation off vs "auto" vs "always".
 
 `--offline`: the completions are sampled by a `RolloutWorker` with speculation off, then replayed through
-`rollout.engine.drafts` as the engine would see them: one `DraftIndex` per configuration, kept across both epochs;
+`rollout.engine.speculation.drafts` as the engine would see them: one `DraftIndex` per configuration, kept across both epochs;
 a group's 8 rows advance in lockstep, one verify step each at a time: the row proposes k tokens, the leading ones
 equal to what it really sampled next are accepted, and the step yields those plus one sampled token (fewer at the
 row's end); a row that finishes is recorded into the history, where the rest of its group (from the next step) and
@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from rollout import RolloutWorker, SamplingParams  # noqa: E402
 from rollout.base import Speculation  # noqa: E402
-from rollout.engine.drafts import DraftIndex  # noqa: E402
+from rollout.engine.speculation.drafts import DraftIndex  # noqa: E402
 
 import machine  # noqa: E402  benchmarks/machine.py: the config card
 import policy  # noqa: E402  benchmarks/policy.py: the trained policy
@@ -345,7 +345,7 @@ def oracle_size_rows(rounds: int, root: str, device: str, size: str) -> list[dic
     import random
 
     from rollout import Speculation, WorkerConfig
-    from rollout.engine import speculator
+    from rollout.engine.speculation import speculator
     from rollout.testing import SIZES, build_tiny_model
     from rollout.testing import ReplayDrafts
 

@@ -23,7 +23,7 @@ import torch
 
 from rollout import RolloutWorker, SamplingParams, Structured, WorkerConfig
 from rollout.engine.upstream import runner
-from rollout.engine.grammar import Constraint, GrammarTable, constrain
+from rollout.engine.sampling.grammar import Constraint, GrammarTable, constrain
 from rollout.testing import build_tiny_model, load_tiny_model
 
 SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 400}}, "required": ["text"],

@@ -181,7 +181,7 @@ def roofline_gflops(hidden: int, intermediate: int, threads: int, repeats: int =
     intermediate GEMMs, with torch's kernel (MKL) or oneDNN's, whichever is faster here."""
     import torch
 
-    from rollout.engine import onednn
+    from rollout.engine.kernels import onednn
 
     torch.set_num_threads(threads)
     a, w = torch.randn(512, hidden), torch.randn(intermediate, hidden)

@@ -5,9 +5,9 @@
 
 The policy and the draft are the stdlib Llamas of benchmarks/policy.py (trained and cached on first use). Both read
 `--windows` held-out windows of 256 tokens (teacher-forced); at every position, for each of `--keys` random streams,
-the policy's token is drawn by the engine's own sampler (`rollout.engine.sampler.sample_rows`: the stream's uniform
+the policy's token is drawn by the engine's own sampler (`rollout.engine.sampling.sampler.sample_rows`: the stream's uniform
 at that position, inverse CDF in vocabulary order) and compared with two draft tokens: the draft model's draw with
-the same params, stream and position (the coupled draw of `rollout/engine/draft_model.py`) and its argmax. Besides
+the same params, stream and position (the coupled draw of `rollout/engine/speculation/draft_model.py`) and its argmax. Besides
 the draft model itself it scores drafts whose logits are a mix a x policy + (1 - a) x draft: drafts between the
 trained draft and the policy, by total variation from it, so the table shows where the coupled draw starts to win.
 Prints, per sampling and draft: mean total variation distance (after temperature and top-p), the share of draws
@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from rollout import SamplingParams  # noqa: E402
-from rollout.engine.sampler import RowSpec, SamplingRows, sample_rows, truncation_mask  # noqa: E402
+from rollout.engine.sampling.sampler import RowSpec, SamplingRows, sample_rows, truncation_mask  # noqa: E402
 
 import machine  # noqa: E402  benchmarks/machine.py: the config card
 import policy  # noqa: E402  benchmarks/policy.py: the trained policy

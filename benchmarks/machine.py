@@ -10,12 +10,12 @@ import time
 
 def gemm_gflops(kernel: str = "torch") -> float:
     """fp32 GFLOP/s of a 512 x 2048 @ 2048 x 2048 matmul on the current torch threads (mean of 20, after one), with
-    torch's own kernel (its BLAS: MKL) or oneDNN's (`rollout.engine.onednn`; 0 where this torch has none)."""
+    torch's own kernel (its BLAS: MKL) or oneDNN's (`rollout.engine.kernels.onednn`; 0 where this torch has none)."""
     import torch
 
     a, b = torch.randn(512, 2048), torch.randn(2048, 2048)
     if kernel == "onednn":
-        from rollout.engine import onednn
+        from rollout.engine.kernels import onednn
 
         if not onednn.available():
             return 0.0

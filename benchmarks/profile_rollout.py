@@ -31,7 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_rollout as bench  # noqa: E402
 from rollout import RolloutWorker, WorkerConfig  # noqa: E402
-from rollout.engine.upstream import attention, runner  # noqa: E402
+from rollout.engine.attention import paged as attention
+from rollout.engine.upstream import runner  # noqa: E402
 from transformers.generation.continuous_batching import continuous_api  # noqa: E402
 
 PARTS = ("loop", "forward", "linear", "decode attention", "sampler")

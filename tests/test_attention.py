@@ -7,9 +7,9 @@ import torch
 
 from conftest import reference_logprobs
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
-from rollout.engine import decode_kernel
-from rollout.engine.upstream import attention, plan as plan_mod
-from rollout.engine.upstream.attention import NAME
+from rollout.engine.kernels import decode_kernel
+from rollout.engine.attention import paged as attention, plan as plan_mod
+from rollout.engine.attention.paged import NAME
 
 TOL = 1e-5
 

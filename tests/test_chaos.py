@@ -211,7 +211,7 @@ def test_a_replay_may_part_from_its_row_only_at_a_draw_within_fp32s_floor_of_a_t
     comparison; a draw anywhere else that differs is still a violation."""
     from transformers import AutoModelForCausalLM
 
-    from rollout.engine.streams import stream_key, uniform_reference
+    from rollout.engine.sampling.streams import stream_key, uniform_reference
     from soak.checker import _Fp64
     from soak.replay import SEEDED, _near_tie
 

@@ -1,4 +1,4 @@
-"""What the engine turns on for a CUDA device (rollout/engine/cuda.py), decided here on CPU for stand-in models that
+"""What the engine turns on for a CUDA device (rollout/engine/device/cuda.py), decided here on CPU for stand-in models that
 say they live on CUDA: the attention "auto" picks, the decode fast path's width, CUDA graphs and async batching. The
 paths themselves need a GPU: benchmarks/gpu.sh runs them (and this suite) there."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from rollout import WorkerConfig
-from rollout.engine import cuda, sizing
-from rollout.engine.upstream.attention import NAME, resolve_attn_implementation
+from rollout.engine.device import cuda, sizing
+from rollout.engine.attention.paged import NAME, resolve_attn_implementation
 
 
 def stand_in(device: str, attn: str, max_positions: int | None = 4096, dtype=torch.bfloat16):

@@ -1,4 +1,4 @@
-"""The paged decode kernel (rollout/engine/decode_kernel.py): every decode row's attention read straight from the
+"""The paged decode kernel (rollout/engine/kernels/decode_kernel.py): every decode row's attention read straight from the
 cache pages, against an fp64 SDPA over the same keys gathered; built once per machine, and absent (never wrong) where
 it cannot be built. The engine's rows through it are checked against a teacher-forced forward in test_attention.py."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rollout.engine import decode_kernel, native
+from rollout.engine.kernels import decode_kernel, native
 
 needs_kernel = pytest.mark.skipif(decode_kernel.load() is None, reason="no C compiler: the kernel cannot be built")
 

@@ -1,4 +1,4 @@
-"""Speculation's config and the draft sources (rollout/engine/drafts.py): what they propose, checked against a
+"""Speculation's config and the draft sources (rollout/engine/speculation/drafts.py): what they propose, checked against a
 brute-force reference; the history's memory bound and LRU eviction; a failing source costing only its drafts."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 
 from rollout.base import InvalidArgument
 from rollout.base.speculation import Speculation
-from rollout.engine import drafts as drafts_module
-from rollout.engine.drafts import ContextSource, DraftIndex, HistorySource
+from rollout.engine.speculation import drafts as drafts_module
+from rollout.engine.speculation.drafts import ContextSource, DraftIndex, HistorySource
 
 CONTEXT = Speculation(drafts=("context",))
 HISTORY = Speculation(drafts=("history",))
@@ -311,7 +311,7 @@ def test_propose_is_cheap():
 
 
 def test_auto_rests_a_request_its_sources_find_nothing_for_and_looks_again_after():
-    from rollout.engine import speculator as spec_module
+    from rollout.engine.speculation import speculator as spec_module
 
     class State:  # the fields of an upstream RequestState the speculator reads
         request_id, max_new_tokens, _true_initial_tokens = "r", None, 0

@@ -1,4 +1,4 @@
-"""Fused RMSNorm and rotary embedding (rollout/engine/elementwise.py): the same bits as torch's eager ops, on the
+"""Fused RMSNorm and rotary embedding (rollout/engine/kernels/elementwise.py): the same bits as torch's eager ops, on the
 engine thread only, for models whose code is exactly Llama's; the engine's rows are the same with and without them."""
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ from transformers.models.llama import modeling_llama
 from transformers.models.qwen2 import modeling_qwen2
 
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
-from rollout.engine import elementwise, onednn
+from rollout.engine import Engine
+from rollout.engine.kernels import elementwise, onednn
+from rollout.engine.upstream import install_fused, install_linear
+from rollout.engine.upstream.patches import LLAMA_NORM, LLAMA_ROTARY, same_code
 from rollout.testing import load_tiny_model
 
 needs_kernel = pytest.mark.skipif(elementwise.load() is None, reason="no C compiler, or not torch's bits here")
@@ -66,15 +69,21 @@ def test_what_the_kernel_does_not_take_is_left_to_torch():
     assert elementwise.rotary(q[..., :7], q[..., :7], cos[..., :7], cos[..., :7]) is None  # odd head dim
 
 
+def fuse(model) -> bool:
+    """What an engine on a CPU with the kernels does to its model's norms and rotary."""
+    return install_fused(model, elementwise.FLAG, lambda *a: elementwise.rms_norm(*a),
+                         lambda *a: elementwise.rotary(*a))
+
+
 @needs_kernel
 def test_only_llama_exact_code_is_patched_and_only_the_engine_thread_inside_fused_takes_it(tiny, monkeypatch):
     model, _ = tiny
-    assert elementwise.install(model)
+    assert fuse(model)
     assert hasattr(modeling_llama.LlamaRMSNorm.forward, "__wrapped__")
     assert hasattr(modeling_llama.apply_rotary_pos_emb, "__wrapped__")
-    assert elementwise._same(modeling_qwen2.Qwen2RMSNorm.forward, elementwise._NORM)  # a copy of Llama's: patchable
-    assert elementwise._same(modeling_qwen2.apply_rotary_pos_emb, elementwise._ROTARY)
-    assert not elementwise._same(modeling_gemma.GemmaRMSNorm.forward, elementwise._NORM)  # (1 + weight): its own
+    assert same_code(modeling_qwen2.Qwen2RMSNorm.forward, LLAMA_NORM)  # a copy of Llama's: patchable
+    assert same_code(modeling_qwen2.apply_rotary_pos_emb, LLAMA_ROTARY)
+    assert not same_code(modeling_gemma.GemmaRMSNorm.forward, LLAMA_NORM)  # (1 + weight): its own
     calls = []
     original = elementwise.rms_norm
     monkeypatch.setattr(elementwise, "rms_norm", lambda *a: calls.append(threading.current_thread().name) or
@@ -108,7 +117,7 @@ def test_the_engines_rows_are_the_same_bits_with_and_without_fusion(tiny_path, m
     runs = []
     for fuse in (True, False):
         if not fuse:
-            monkeypatch.setattr(elementwise, "install", lambda model: False)
+            monkeypatch.setattr(Engine, "_fused", lambda self: None)
         model, _ = load_tiny_model(tiny_path)
         with RolloutWorker(model, WorkerConfig()) as worker:
             runs.append(worker.generate(prompts, params))
@@ -122,9 +131,8 @@ def test_the_engines_rows_are_the_same_bits_with_and_without_fusion(tiny_path, m
 @needs_kernel
 def test_a_trainer_compiling_the_shared_model_traces_through_the_patches_in_one_graph(tiny):
     model, _ = tiny
-    with onednn.OneDNNLinears():  # patches nn.Linear.forward
-        pass
-    assert elementwise.install(model) and hasattr(torch.nn.Linear.forward, "__wrapped__")
+    install_linear(onednn.FLAG, onednn.linear)  # patches nn.Linear.forward
+    assert fuse(model) and hasattr(torch.nn.Linear.forward, "__wrapped__")
     ids = torch.tensor([[5, 9, 300, 41, 7]])
     with torch.no_grad():
         want = model(ids).logits

@@ -65,8 +65,11 @@ def test_only_the_engines_upstream_room_touches_private_attributes_of_other_code
             if node.attr == "_timeout" and path == "rollout/fleet/collective.py":  # torch.distributed's, not transformers'
                 continue
             if node.attr in ("_linear_pointwise", "_reorder_linear_weight", "_version") and \
-                    path == "rollout/engine/onednn.py":  # torch's oneDNN linear op, its weight packing, the tensor
+                    path == "rollout/engine/kernels/onednn.py":  # torch's oneDNN linear op, its weight packing, the tensor
                 continue  # version counter: pinned by tests/test_onednn.py (test_the_private_op_*, test_a_packed_*)
+            if node.attr == "_scaled_dot_product_flash_attention_for_cpu" and \
+                    path == "rollout/engine/attention/paged.py":  # torch's CPU flash kernel (HOOKS lists it)
+                continue
             offenders.append(f"{path}:{node.lineno} .{node.attr}")
     assert offenders == []
 
@@ -190,3 +193,139 @@ def test_every_subpackage_says_what_it_owns_and_may_import():
     for package in sorted(set(ALLOWED) - {"(top)"}):
         doc = ast.get_docstring(ast.parse((ROOT / package / "__init__.py").read_text()))
         assert doc and "import" in doc, package
+
+
+# The engine's rooms (rollout/engine/<room>/) and what each may import of the others; the engine's top-level modules
+# (engine.py, supervisor.py, fence.py, ...) wire the rooms together and no room imports them. Imports under
+# `if TYPE_CHECKING:` name a type only and are not arrows.
+ENGINE = ROOT / "engine"
+ENGINE_ROOMS = {
+    "upstream": set(),  # subclasses and hooks of transformers; what it runs of the engine's is handed in
+    "kernels": set(),
+    "device": {"upstream"},
+    "attention": {"upstream", "kernels", "device"},
+    "sampling": {"upstream"},
+    "observe": {"upstream"},
+    "requests": {"sampling", "upstream"},
+    "episodes": {"requests", "sampling", "observe"},
+    "speculation": {"sampling", "upstream"},
+}
+MAX_ENGINE_TOP_LEVEL_MODULES = 10
+
+
+def runtime_imports(tree: ast.Module):
+    """The ImportFrom nodes of a module, less those under `if TYPE_CHECKING:`."""
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            skipped.update(id(n) for child in node.body for n in ast.walk(child))
+    return [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and id(n) not in skipped]
+
+
+def engine_arrows() -> dict[tuple[str, str], set[str]]:
+    """(room, imported room or "(engine top)") -> files, for every import between the engine's rooms."""
+    arrows: dict[tuple[str, str], set[str]] = {}
+    for path in sorted(ENGINE.rglob("*.py")):
+        rel = path.relative_to(ENGINE).parts
+        if len(rel) < 2:
+            continue  # the top level may import every room
+        room = rel[0]
+        here = ["rollout", "engine", *rel[:-1]]
+        for node in runtime_imports(ast.parse(path.read_text())):
+            if node.level:
+                target = here[: len(here) - node.level + 1] + (node.module.split(".") if node.module else [])
+            elif node.module and node.module.startswith("rollout.engine"):
+                target = node.module.split(".")
+            else:
+                continue
+            if target[:2] != ["rollout", "engine"]:
+                continue
+            names = [target[2]] if len(target) > 2 else [a.name for a in node.names]
+            for name in names:
+                kind = name if (ENGINE / name).is_dir() else "(engine top)"
+                if kind != room:
+                    arrows.setdefault((room, kind), set()).add(str(path.relative_to(ROOT.parent)))
+    return arrows
+
+
+def test_the_engine_is_rooms_with_one_way_arrows():
+    rooms = sorted(p.name for p in ENGINE.iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert set(rooms) == set(ENGINE_ROOMS), "a new room needs its row in ENGINE_ROOMS"
+    offenders = {f"{a} -> {b}": sorted(files) for (a, b), files in engine_arrows().items()
+                 if b not in ENGINE_ROOMS[a]}
+    assert offenders == {}
+
+
+def test_the_engine_rooms_point_one_way_and_say_what_they_own():
+    done: set[str] = set()
+
+    def visit(room: str, path: tuple[str, ...]) -> None:
+        assert room not in path[:-1], f"cycle: {' -> '.join(path)}"
+        if room in done:
+            return
+        for below in ENGINE_ROOMS[room]:
+            visit(below, path + (below,))
+        done.add(room)
+
+    for room in ENGINE_ROOMS:
+        visit(room, (room,))
+        doc = ast.get_docstring(ast.parse((ENGINE / room / "__init__.py").read_text()))
+        assert doc and "import" in doc, room
+
+
+def test_the_engine_top_level_holds_at_most_10_modules():
+    modules = sorted(p.name for p in ENGINE.glob("*.py"))
+    assert len(modules) <= MAX_ENGINE_TOP_LEVEL_MODULES, modules
+
+
+def test_upstream_imports_nothing_of_the_engine_outside_it():
+    """What a hook runs that is the engine's own is handed in at construction, never imported from upstream/."""
+    offenders = sorted(f"{a} -> {b}: {sorted(files)}" for (a, b), files in engine_arrows().items() if a == "upstream")
+    assert offenders == []
+
+
+def test_only_upstream_install_changes_process_wide_state():
+    """torch's and transformers' module state (a class's method, a module's function) is assigned only in
+    rollout/engine/upstream/patches.py (and upstream's registries, through its `install`)."""
+    offenders = []
+    for path, tree in sources().items():
+        if path == "rollout/engine/upstream/patches.py":
+            continue
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+                if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in targets:
+                if isinstance(target, ast.Attribute) and ast.unparse(target).startswith(("torch.", "transformers.")):
+                    offenders.append(f"{path}:{node.lineno} {ast.unparse(target)}")
+                if isinstance(target, ast.Attribute) and target.attr in ("forward", "apply_rotary_pos_emb") and \
+                        isinstance(target.value, ast.Name) and target.value.id in ("cls", "module"):
+                    offenders.append(f"{path}:{node.lineno} {ast.unparse(target)}")
+    assert offenders == []
+
+
+def test_no_error_is_swallowed_whole():
+    """No `suppress(BaseException)` (it eats Ctrl-C and SystemExit) anywhere under rollout/."""
+    offenders = []
+    for path, tree in sources().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("suppress") and \
+                    any(ast.unparse(a) == "BaseException" for a in node.args):
+                offenders.append(f"{path}:{node.lineno}")
+    assert offenders == []
+
+
+MAX_TEST_REACHES_INTO_THE_ENGINE = 10
+
+
+def test_tests_read_the_engine_through_its_inspection_api():
+    """Tests reach into the engine's private state (`engine._x`, `worker.engine._x`) at most 10 times: what they read
+    is the engine's inspection API (`Engine.in_flight()`, `Engine.manager`, ...)."""
+    reaches = []
+    for path in sorted((ROOT.parent / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                owner = node.value
+                name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+                if name == "engine":
+                    reaches.append(f"{path.name}:{node.lineno} .{node.attr}")
+    assert len(reaches) <= MAX_TEST_REACHES_INTO_THE_ENGINE, reaches

@@ -144,7 +144,7 @@ def test_drafted_rows_on_a_peft_policy_equal_plain_ones_merged_or_not(tiny_path,
     import dataclasses
 
     from rollout import Speculation
-    from rollout.engine import speculator
+    from rollout.engine.speculation import speculator
     from rollout.testing import ReplayDrafts
 
     policy, tok = lora_policy(tiny_path, scale=0.3)

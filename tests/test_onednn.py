@@ -1,4 +1,4 @@
-"""oneDNN linears (rollout/engine/onednn.py): the engine's fp32 linears on oneDNN, inside the logprob rule of the
+"""oneDNN linears (rollout/engine/kernels/onednn.py): the engine's fp32 linears on oneDNN, inside the logprob rule of the
 trainer's own forward, on the engine thread only, and reading the live weights."""
 
 from __future__ import annotations
@@ -11,10 +11,17 @@ import torch.nn.functional as F
 from conftest import reference_logprobs
 
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
-from rollout.engine import onednn
+from rollout.engine.kernels import onednn
+from rollout.engine.upstream import patches as upstream_install
 from rollout.testing import build_tiny_model, load_tiny_model
 
 pytestmark = pytest.mark.skipif(not onednn.available(), reason="this torch build has no oneDNN")
+
+
+@pytest.fixture(autouse=True)
+def linears_installed():
+    """nn.Linear.forward patched as an engine that chose oneDNN patches it (once per process)."""
+    upstream_install.install_linear(onednn.FLAG, onednn.linear)
 
 
 @pytest.fixture(scope="module")
@@ -186,8 +193,8 @@ def test_a_forward_patched_before_the_worker_is_kept_and_the_engine_still_gets_o
     seen = []
     before = torch.nn.Linear.forward
     monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, x: seen.append(1) or before(self, x))  # a profiler
-    monkeypatch.setattr(onednn, "_installed", [False])  # as in a process where the worker comes after the profiler
-    onednn.install()
+    monkeypatch.setattr(upstream_install, "_linear_installed", False)  # as in a process where the worker comes after
+    upstream_install.install_linear(onednn.FLAG, onednn.linear)  # the profiler
     layer, x = torch.nn.Linear(4, 8).requires_grad_(False), torch.randn(2, 4)
     layer(x)
     assert seen == [1] and not spy  # outside the engine: the forward that was there
@@ -200,8 +207,9 @@ def test_a_packed_weight_gives_the_live_weights_product_and_follows_every_kind_o
     g = torch.Generator().manual_seed(4)
     weight = torch.randn(96, 64, generator=g) * 0.02
     x = torch.randn(16, 64, generator=g)
-    first = onednn.packed(weight)
-    assert first.is_mkldnn and onednn.packed(weight) is first  # packed once, then reused
+    packs = onednn.PackedWeights()  # an engine's
+    first = packs.packed(weight)
+    assert first.is_mkldnn and packs.packed(weight) is first  # packed once, then reused
     for rows in (2, 4, 16):  # from 2 rows up, the same bits as oneDNN on the live weight
         assert torch.equal(onednn._linear(x[:rows], first, None), onednn._linear(x[:rows], weight, None))
     one = onednn._linear(x[:1], first, None).double()  # 1 row: another kernel, the same product to fp32 rounding
@@ -211,17 +219,21 @@ def test_a_packed_weight_gives_the_live_weights_product_and_follows_every_kind_o
         return x.double() @ w.double().T
 
     weight.add_(1.0)  # in place: the version counter moves
-    assert (onednn._linear(x, onednn.packed(weight), None).double() - now(weight)).abs().max().item() < 1e-5
+    assert (onednn._linear(x, packs.packed(weight), None).double() - now(weight)).abs().max().item() < 1e-5
     weight.data.mul_(-1.0)  # through .data (as PEFT's merge, fused optimizers): the counter stays
-    stale = onednn.packed(weight)
-    assert not onednn.check_packs()  # a sampled element differs: everything is packed again
-    assert onednn.packed(weight) is not stale
-    assert (onednn._linear(x, onednn.packed(weight), None).double() - now(weight)).abs().max().item() < 1e-5
-    assert onednn.check_packs()
+    stale = packs.packed(weight)
+    assert not packs.check()  # a sampled element differs: everything is packed again
+    assert packs.packed(weight) is not stale
+    assert (onednn._linear(x, packs.packed(weight), None).double() - now(weight)).abs().max().item() < 1e-5
+    assert packs.check()
     weight.data[0, 1] += 1.0  # an element no probe looks at: the worker's refresh says so instead
-    onednn.weights_changed()
-    assert (onednn._linear(x, onednn.packed(weight), None).double() - now(weight)).abs().max().item() < 1e-5
-    onednn.forget([weight])
-    assert onednn.packed(weight) is not None and id(weight) in onednn._packs
-    del weight, stale, first
-    assert not [e for e in onednn._packs.values() if e.weight() is None]  # a weight's copy dies with it
+    packs.weights_changed()
+    assert (onednn._linear(x, packs.packed(weight), None).double() - now(weight)).abs().max().item() < 1e-5
+    packs.forget([weight])
+    assert not packs.holds(weight) and packs.packed(weight) is not None and packs.holds(weight)
+    other = onednn.PackedWeights()  # another engine's: its own copies, untouched by this one's changes
+    theirs = other.packed(weight)
+    packs.weights_changed()
+    assert other.packed(weight) is theirs and packs.packed(weight) is not theirs
+    del weight, stale, first, theirs
+    assert packs.dead() == 0 and other.dead() == 0 and len(packs) == len(other) == 0  # a weight's copy dies with it

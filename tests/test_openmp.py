@@ -1,4 +1,4 @@
-"""The OpenMP pools (rollout/engine/openmp.py): the thread that submits a call lets its idle workers go, so the engine
+"""The OpenMP pools (rollout/engine/kernels/openmp.py): the thread that submits a call lets its idle workers go, so the engine
 thread's parallel ops are not throttled; the decode kernel runs on the engine thread's own OpenMP team, with the same
 results as on its own POSIX threads."""
 
@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from rollout.engine import decode_kernel, openmp
+from rollout.engine.kernels import decode_kernel, openmp
 
 needs_libgomp = pytest.mark.skipif(openmp.torch_runtime() is None, reason="torch here does not run on libgomp")
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
-from rollout.engine.sampler import RowSpec, sample_rows
-from rollout.engine.slots import SlotTable
-from rollout.engine.streams import stream_key
+from rollout.engine.sampling.sampler import RowSpec, sample_rows
+from rollout.engine.sampling.slots import SlotTable
+from rollout.engine.sampling.streams import stream_key
 
 ROOMY = WorkerConfig(num_blocks=256)
 CRAMPED = WorkerConfig(page_size=4, num_blocks=24, max_batch_tokens=32)  # rows preempted mid-decode (reproducibility)

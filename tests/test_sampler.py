@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from rollout.base.params import SamplingParams
-from rollout.engine.sampler import ALL, NONE, RowSpec, SamplingRows, sample_rows, truncation_mask
-from rollout.engine.streams import stream_key, uniform_reference, uniforms
+from rollout.engine.sampling.sampler import ALL, NONE, RowSpec, SamplingRows, sample_rows, truncation_mask
+from rollout.engine.sampling.streams import stream_key, uniform_reference, uniforms
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1, 0.0]]).clamp_min(1e-30))  # token 4 has probability ~0
 
@@ -142,7 +142,7 @@ def test_one_streams_successive_draws_are_uniform():
 
 
 def test_the_slot_table_gives_back_each_requests_parameters_and_reuses_slots_of_finished_ones():
-    from rollout.engine.slots import SlotTable
+    from rollout.engine.sampling.slots import SlotTable
 
     specs = {f"r{i}": RowSpec(SamplingParams(temperature=[0.0, 0.7, 1.3][i % 3], top_k=i, top_p=1 - i / 20,
                                              min_p=i / 10),

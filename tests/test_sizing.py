@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
-from rollout.engine import sizing
+from rollout.engine.device import sizing
 
 PAGE = 16
 
 
 def kv_bytes_per_token(model) -> int:
-    """Independent of rollout.engine.sizing: K and V of every layer, from the model's own attention module."""
+    """Independent of rollout.engine.device.sizing: K and V of every layer, from the model's own attention module."""
     attn = model.model.layers[0].self_attn
     kv_out = attn.k_proj.out_features  # kv_heads * head_dim
     return 2 * len(model.model.layers) * kv_out * model.dtype.itemsize

@@ -18,8 +18,8 @@ from conftest import reference_logprobs
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
 from rollout.base.errors import InvalidArgument
 from rollout.base.speculation import Speculation
-from rollout.engine import speculator as speculator_module
-from rollout.engine.drafts import DraftIndex
+from rollout.engine.speculation import speculator as speculator_module
+from rollout.engine.speculation.drafts import DraftIndex
 from rollout.testing import build_tiny_model, load_tiny_model
 from rollout.testing import ReplayDrafts
 
@@ -113,8 +113,8 @@ def test_on_the_gpu_layout_verify_rows_run_in_the_decode_buckets_and_stay_exact(
     over the keys up to its own position: a step of many verify rows makes a few SDPA calls a layer, not one per row.
     Here that layout runs on the CPU (the kernel off, rows split as on CUDA): the rows are those of speculation off
     and every logprob is exact."""
-    from rollout.engine import decode_kernel
-    from rollout.engine.upstream import plan as plan_mod
+    from rollout.engine.kernels import decode_kernel
+    from rollout.engine.attention import plan as plan_mod
 
     monkeypatch.setattr(decode_kernel, "usable", lambda *args: False)
     monkeypatch.setattr(plan_mod, "decode_query_tokens", lambda device, kernel: plan_mod.SDPA_QUERY_TOKENS)
@@ -238,7 +238,7 @@ def test_drafted_moe_rows_record_the_routing_of_the_positions_they_kept_and_noth
     kept are recorded, and no page holding a rejected draft is ever indexed. Rows equal speculation off's, every
     position carries the routing a plain forward of the row gives (no hole), and a second call whose prompts are the
     first call's whole rows reuses their cached pages, completions included, with the routing recorded for them."""
-    from rollout.engine.recorder import RoutingHole, RoutingRecorder
+    from rollout.engine.observe.recorder import RoutingHole, RoutingRecorder
     from rollout.moe import capture_routing
 
     holes = []
@@ -372,7 +372,7 @@ def test_metrics_and_batch_stats_count_drafted_accepted_and_rolled_back_tokens(t
 
 
 def test_auto_drafts_where_the_measured_cost_model_says_it_pays():
-    from rollout.engine.speculator import StepCosts, best_draft_length
+    from rollout.engine.speculation.speculator import StepCosts, best_draft_length
 
     flat, linear = StepCosts(), StepCosts()
     for tokens in (1, 2, 4, 8, 16, 32, 64, 128) * 2:  # twice: a bucket's first measurement is taken as cold
@@ -397,7 +397,7 @@ def test_auto_drafts_where_the_measured_cost_model_says_it_pays():
 
 
 def test_auto_counts_how_often_drafts_are_found_and_what_looking_costs():
-    from rollout.engine.speculator import StepCosts, best_draft_length
+    from rollout.engine.speculation.speculator import StepCosts, best_draft_length
 
     flat = StepCosts()
     for tokens in (1, 2, 4, 8, 16, 32, 64, 128) * 2:
@@ -423,7 +423,7 @@ def test_auto_counts_how_often_drafts_are_found_and_what_looking_costs():
 
 
 def test_auto_probes_a_few_requests_now_and_then_while_the_cost_model_says_no():
-    from rollout.engine import speculator as spec_module
+    from rollout.engine.speculation import speculator as spec_module
 
     speculator = spec_module.Speculator(Speculation(mode="auto", drafts=("context",)),
                                         DraftIndex(Speculation(drafts=("context",))), lambda _: True)
@@ -567,8 +567,8 @@ def test_a_draft_model_draws_as_the_row_draws_so_the_policy_as_its_own_draft_kee
 def test_a_draft_token_is_the_token_the_rows_sampler_draws_from_the_same_logits():
     """`DraftModel.pick` on logits L at position p is `sample_rows`' token on L for the row at p: greedy, T = 1,
     T = 0.7 with top-k and top-p, min-p; draft logits past the policy's ids are cut first."""
-    from rollout.engine.draft_model import DraftModel
-    from rollout.engine.sampler import RowSpec, SamplingRows, sample_rows
+    from rollout.engine.speculation.draft_model import DraftModel
+    from rollout.engine.sampling.sampler import RowSpec, SamplingRows, sample_rows
 
     vocab = 300
     runner = DraftModel(torch.nn.Linear(1, 1), policy_vocab=vocab)
@@ -603,8 +603,8 @@ def test_the_draft_model_proposes_whichever_of_its_coupled_draw_and_argmax_the_p
     """A draft of the policy's distribution: the coupled draw is the policy's own, every time. A draft with the
     policy's argmax but a flat distribution: its coupled draw is rarely the policy's; after a few rows' first
     positions say so, it proposes its argmax, which the policy draws about half the time."""
-    from rollout.engine.draft_model import DraftModel
-    from rollout.engine.sampler import RowSpec, SamplingRows, sample_rows
+    from rollout.engine.speculation.draft_model import DraftModel
+    from rollout.engine.sampling.sampler import RowSpec, SamplingRows, sample_rows
 
     vocab = 64
     policy = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0)) * 4  # a few likely ids each
@@ -634,7 +634,7 @@ def test_the_draft_model_proposes_whichever_of_its_coupled_draw_and_argmax_the_p
 def test_the_draft_models_cache_cut_back_after_a_rejection_drafts_as_a_fresh_one(tiny):
     """After drafts are rejected the row's cache is cut back to what the row kept, and what it drafts next is what a
     draft model fed the row's tokens from scratch would draft."""
-    from rollout.engine.draft_model import DraftModel
+    from rollout.engine.speculation.draft_model import DraftModel
 
     model, _ = tiny
     runner = DraftModel(model, policy_vocab=VOCAB)

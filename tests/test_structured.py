@@ -15,7 +15,7 @@ import torch
 
 from rollout import InvalidArgument, RolloutWorker, SamplingParams, Structured, WorkerConfig
 from rollout.base.structured import grammar_of
-from rollout.engine.grammar import Constraint, constrain
+from rollout.engine.sampling.grammar import Constraint, constrain
 
 xgr = pytest.importorskip("xgrammar")
 
@@ -178,7 +178,7 @@ def test_tool_calls_are_written_in_their_markup_with_arguments_matching_the_sche
 
 
 def test_the_sampler_masks_only_constrained_rows_and_draws_from_the_masked_distribution():
-    from rollout.engine.sampler import Passes, SamplingRows, RowSpec, sample_rows
+    from rollout.engine.sampling.sampler import Passes, SamplingRows, RowSpec, sample_rows
 
     torch.manual_seed(0)
     logits = torch.randn(3, 70)

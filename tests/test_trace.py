@@ -12,9 +12,9 @@ import torch
 
 from rollout import RolloutWorker, SamplingParams, Turn, WorkerConfig
 from rollout.engine import TurnTrace
-from rollout.engine.episode import Episode
-from rollout.engine.stepper import Stepper
-from rollout.engine.trace import idle_while_waiting, wait_parts
+from rollout.engine.episodes.episode import Episode
+from rollout.engine.episodes.stepper import Stepper
+from rollout.engine.observe.trace import idle_while_waiting, wait_parts
 
 
 def test_idle_while_waiting_counts_only_waits_outside_every_step():

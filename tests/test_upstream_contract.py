@@ -85,9 +85,10 @@ from transformers.generation.continuous_batching.scheduler import FIFOScheduler
 from transformers.generation.continuous_batching.utils import attn_mask_is_needed
 
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
-from rollout.engine.upstream import plan as plan_mod
-from rollout.engine.upstream import HOOKS, install
-from rollout.engine.upstream.attention import NAME
+from rollout.engine.attention import plan as plan_mod
+from rollout.engine import install
+from rollout.engine.upstream import HOOKS
+from rollout.engine.attention.paged import NAME
 from rollout.engine.upstream.runner import OUTPUT_ROWS, RolloutModelRunner
 from rollout.engine.upstream.scheduler import RolloutScheduler
 from rollout.engine.upstream.state import history
@@ -158,7 +159,8 @@ def test_importing_rollout_changes_nothing_in_transformers_until_install():
                     raise
                 print("left out (its extra is not installed):", info.name)
         assert state() == before, "an import changed transformers"
-        from rollout.engine.upstream import install, is_installed
+        from rollout.engine import install
+        from rollout.engine.upstream import is_installed
         assert not is_installed()
         install()
         after = state()
@@ -423,7 +425,7 @@ def test_block_table_rows_hold_each_requests_pages_of_the_layers_token_view(work
 
 
 def test_a_decode_only_step_comes_with_a_block_table_and_no_per_token_indices(worker, monkeypatch):
-    from rollout.engine.upstream import plan as plan_mod
+    from rollout.engine.attention import plan as plan_mod
 
     seen = []
     build = plan_mod._build_plan
@@ -513,7 +515,7 @@ def test_preemption_goes_through_offload_requests_which_takes_requests_out_of_th
     itself is checked against every soft reset under real KV pressure in tests/test_metrics.py."""
     from transformers.generation.continuous_batching.offloading_manager import OffloadingManager
 
-    from rollout.engine.counters import kv_pages
+    from rollout.engine.observe.counters import kv_pages
     from rollout.engine.upstream.preemption import RolloutOffloading
 
     prepare = inspect.getsource(ContinuousBatchProcessor.prepare_next_batch)

@@ -159,7 +159,7 @@ def test_a_bucketed_update_that_stops_midway_blocks_generation_until_a_full_upda
 def checksum_reference(tensor: torch.Tensor) -> int:
     """Independent of the tensor code: each element's bits as an int, mixed with its index by splitmix64 on Python
     ints, summed mod 2^64 (signed, as torch's int64 holds it)."""
-    from rollout.engine.streams import GOLDEN, MASK64, mix64
+    from rollout.engine.sampling.streams import GOLDEN, MASK64, mix64
 
     words = tensor.reshape(-1).view({2: torch.int16, 4: torch.int32}[tensor.element_size()]).tolist()
     total = sum(mix64((w + (i + 1) * GOLDEN) & MASK64) for i, w in enumerate(words)) & MASK64

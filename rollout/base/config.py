@@ -74,7 +74,7 @@ class WorkerConfig:
         that many slow steps overlap; a step that outlives `env_timeout` keeps its thread until it returns.
     attn_implementation: attention used by the engine: "auto" (default: "rollout_paged" on CPU; on CUDA the model's
         own if it is flash, else flash_attention_2 when flash_attn imports, else "rollout_paged"), "rollout_paged"
-        (rollout/engine/upstream/attention.py: no dense mask, batched decode), "sdpa", "paged|eager", a flash
+        (rollout/engine/attention/paged.py: no dense mask, batched decode), "sdpa", "paged|eager", a flash
         implementation, or None to keep the model's. The owner's attention is restored between calls.
     cuda_graphs: "auto" (default) captures the engine's steps in CUDA graphs and overlaps host and device work (async
         batching) on CUDA when the attention allows it (a flash implementation); "off" never does. Off on CPU.

@@ -6,6 +6,10 @@ the server's 400 naming its parameter, the CLI's per-line errors) reads them ins
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
+LOG = logging.getLogger("rollout")
 PREVIEW_CHARS = 60  # longest value an error message shows in full
 
 
@@ -58,3 +62,14 @@ def preview(value: object) -> Preview:
     """What an error message shows of a value that may be huge (a prompt, a record, a list of ids)."""
     text = repr(value)
     return Preview(text if len(text) <= PREVIEW_CHARS else text[: PREVIEW_CHARS - 3] + "...")
+
+
+@contextlib.contextmanager
+def logged(what: str, level: int = logging.DEBUG):
+    """Best-effort cleanup: an `Exception` raised inside (killing an actor that is already gone, stopping an engine
+    thread that died) is logged on the "rollout" logger as `what` failed, and not raised. A KeyboardInterrupt or
+    SystemExit goes through."""
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001
+        LOG.log(level, "rollout: %s failed (%s: %s); carrying on", what, type(error).__name__, error)

@@ -2,7 +2,7 @@
 
 Speculation changes what an engine step costs, never the tokens: a draft token is kept only where it is the token
 plain decoding would have drawn at that position (the counter-based sampler decides), so rows are bit for bit those
-of speculation off. The draft sources themselves are `rollout/engine/drafts.py`.
+of speculation off. The draft sources themselves are `rollout/engine/speculation/drafts.py`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class Speculation:
         prompt ids (earlier calls and epochs, and samples of the same group that finished earlier in the call);
         "model" runs `draft_model` where no n-gram source proposes (a sampled row's draft tokens are its own draws
         from the draft model, with its params and uniforms, or the draft's argmax where that has lately agreed with
-        the policy more often; rollout/engine/draft_model.py). Where two n-gram sources propose, the longer match
+        the policy more often; rollout/engine/speculation/draft_model.py). Where two n-gram sources propose, the longer match
         wins.
     max_draft_tokens: most draft tokens fed after a row's next token in one step, in [1, 32].
     history_memory_mb: what the history index may hold, in MiB (> 0); past it, whole prompts are forgotten least

@@ -36,12 +36,13 @@ One request, hop by hop, from `RolloutWorker.generate` to its row:
    switches in `Engine.exclusive`), in one object kept across restarts and sleeps.
 """
 
-from .core import Call, Engine, Sample
-from .draft_model import DraftModel
-from .episode import Episode
-from .grammar import Grammars
-from .trace import TurnTrace
-from .upstream import current_attn_implementation, install, resolve_attn_implementation, set_attn_implementation
+from .engine import Call, Engine, Sample
+from .speculation.draft_model import DraftModel
+from .episodes.episode import Episode
+from .sampling.grammar import Grammars
+from .observe.trace import TurnTrace
+from .attention import install, resolve_attn_implementation, set_attn_implementation
+from .upstream import current_attn_implementation
 
 __all__ = ["Call", "DraftModel", "Engine", "Episode", "Grammars", "Sample", "TurnTrace", "current_attn_implementation",
            "install", "resolve_attn_implementation", "set_attn_implementation"]

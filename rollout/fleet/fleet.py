@@ -47,7 +47,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from ..base.batch import RolloutBatch
 from ..base.config import WorkerConfig, check_in_flight
 from ..base.env import EnvFactory, EpisodeSpec
-from ..base.errors import check_int, invalid
+from ..base.errors import check_int, invalid, logged
 from ..base.rollouts import model_name, request_limit
 from ..metrics.snapshot import FleetMetrics
 from ..model.loading import pad_token_id
@@ -350,7 +350,7 @@ class RolloutFleet:
                 if ready:  # never wait long for a hung engine
                     ray.wait([a.close.remote() for a in ready], num_returns=len(ready), timeout=10)
                 for actor in actors:
-                    with contextlib.suppress(Exception):
+                    with logged("killing a closed fleet's actor"):
                         ray.kill(actor, no_restart=True)
                 if self._pg is not None:
                     remove_placement_group(self._pg)
@@ -407,9 +407,9 @@ class RolloutFleet:
                             self._started(next(s for s, r in self._starting.items() if r == ref))
         finally:  # after an error: nothing of the call keeps running (no lock: a timeout must not wait for it)
             for ref, (_, _, actor) in inflight.items():
-                with contextlib.suppress(Exception):
+                with logged("cancelling a failed call's task on an actor"):
                     ray.cancel(ref)
-                with contextlib.suppress(Exception):
+                with logged("asking an actor to cancel a failed call"):
                     report = actor.cancel.options(concurrency_group="control").remote(call_id)
                     if cancel is not None:
                         cancel.reports.append(report)  # the tokens it discarded (FleetFuture.discarded_tokens)
@@ -555,7 +555,7 @@ class RolloutFleet:
             info = self._info[slot]
             LOG.warning("RolloutFleet: replacing actor %d (pid %s on %s; replacement %d of that slot): %s", slot,
                         info.get("pid"), info.get("host"), self._restarts[slot] + 1, why or "asked to")
-            with contextlib.suppress(Exception):
+            with logged(f"killing the replaced actor of slot {slot}"):
                 ray.kill(old, no_restart=True)
             self._restarts[slot] += 1
             self._homes.forget(slot)
@@ -655,6 +655,6 @@ class _Pool:
         self.fleet._await_starts()
 
     def drop(self, slot: int) -> None:
-        with contextlib.suppress(Exception):
+        with logged(f"killing the actor of dropped slot {slot}"):
             ray.kill(self.fleet._actors[slot], no_restart=True)
         self.fleet._down.add(slot)

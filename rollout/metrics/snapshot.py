@@ -11,7 +11,7 @@ Prometheus exposition (rollout/metrics/prometheus.py: `rollout_<name>`, counters
 
 Counters only grow for the life of a worker, across engine restarts and sleeps; a fleet's totals keep what replaced
 actors had counted (as of the last snapshot taken of them). Everything here is plain data: it pickles (fleet actors
-send it) and compares by value. Nothing is counted here: the engine counts (rollout/engine/counters.py).
+send it) and compares by value. Nothing is counted here: the engine counts (rollout/engine/observe/counters.py).
 """
 
 from __future__ import annotations

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..base.errors import logged
+
 
 def is_peft_model(model: torch.nn.Module) -> bool:
     """True when the model carries PEFT adapters (a `PeftModel`, or a model with adapters injected)."""
@@ -33,8 +35,8 @@ def is_peft_model(model: torch.nn.Module) -> bool:
 
 def active_adapter(model: torch.nn.Module) -> str:
     adapter = None
-    with contextlib.suppress(Exception):  # transformers' adapter integration spells it as a method that raises when
-        # its own loader was not used (e.g. a base model PEFT injected adapters into)
+    with logged("reading the model's active adapter"):  # transformers' adapter integration spells it as a method
+        # that raises when its own loader was not used (e.g. a base model PEFT injected adapters into)
         adapter = getattr(model, "active_adapter", None)
         adapter = adapter() if callable(adapter) else adapter
     if adapter is None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..base.errors import check_int
-from ..engine.streams import spread
+from ..engine.sampling.streams import spread
 from . import adapters
 
 

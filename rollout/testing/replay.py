@@ -4,7 +4,7 @@ source would find.
 `ReplayDrafts` stands in for the engine's `DraftIndex` (same `row` / `record` / `clear` / `memory_bytes`): a row whose
 tokens so far are the start of a recorded sequence (prompt + completion of a plain run) is proposed what that run
 sampled next, except that every `wrong_every`-th position is proposed another token (so rejection and rollback are
-exercised too). Patch it in with `monkeypatch.setattr(rollout.engine.speculator, "DraftIndex", ReplayDrafts(...))`.
+exercised too). Patch it in with `monkeypatch.setattr(rollout.engine.speculation.speculator, "DraftIndex", ReplayDrafts(...))`.
 """
 
 from __future__ import annotations

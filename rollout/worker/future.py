@@ -23,7 +23,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError
 
 from ..base.batch import RolloutBatch, Row
-from ..engine import Call, openmp
+from ..engine import Call
+from ..engine.kernels import openmp
 
 
 class RolloutFuture:

@@ -59,13 +59,13 @@ HOOKS: tuple[Hook, ...] = (
          "a request soft reset for a 'recompute' weight switch is marked FINISHED the way upstream's preemption "
          "marks it (bypassing the setter's lifespan bookkeeping) before create_equivalent_initial_request()'s copy "
          "is requeued"),
-    Hook("_eos_token_ids", "RequestState", ("upstream/verify.py",),
+    Hook("_eos_token_ids", "RequestState", ("upstream/state.py",),
          "a request's stop ids as upstream checks them; a verify row stops emitting at the first one sampled, so "
          "nothing past it is recorded (the ledger) or appended"),
     Hook("_kv_token_views", "FullAttentionCacheAllocator", ("upstream/attention.py",),
          "per-layer [cache rows, kv heads, head dim] views of the paged cache that rollout_paged reads straight "
          "from, by the allocator's indices"),
-    Hook("_scaled_dot_product_flash_attention_for_cpu", "torch.ops.aten", ("upstream/attention.py",),
+    Hook("_scaled_dot_product_flash_attention_for_cpu", "torch.ops.aten", ("attention/paged.py",),
          "the CPU flash kernel, the only SDPA that also returns the log-sum-exp that merging shared-prefix "
          "attention needs"),
 )

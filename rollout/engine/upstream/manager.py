@@ -28,9 +28,9 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 from .attention import ENGINE_THREAD, NAME
 from .blocktable import RolloutCache
 from .preemption import RolloutOffloading
+from .processor import RolloutProcessor
 from .router import RolloutRouter
 from .runner import Record, RolloutIOs, RolloutModelRunner, RowSlotArgs
-from .verify import RolloutProcessor
 
 
 @dataclass(frozen=True)
@@ -64,19 +64,18 @@ class RolloutManager(ContinuousBatchingManager):
         scheduler = processor.scheduler
         scheduler.on_prefix_hit, scheduler.on_split = hooks.on_prefix_hit, hooks.on_split
         scheduler.on_schedule = hooks.on_schedule
-        scheduler.verifier = row_slots.verifier  # speculative decoding (verify.py), sync steps only
+        scheduler.verifier = row_slots.verifier  # speculative decoding (the engine's Verifier), sync steps only
         RolloutOffloading.adopt(processor.offloading_manager, lambda ids: self._preempted(row_slots, hooks, ids))
         RolloutModelRunner.adopt(processor.model_runner)
-        RolloutIOs.adopt(processor.inputs_and_outputs, hooks.on_sampled, row_slots.verifier)
+        RolloutIOs.adopt(processor.inputs_and_outputs, hooks.on_sampled, row_slots)
         RolloutProcessor.adopt(processor, row_slots.verifier)
-        row_slots.table.stream = processor.inputs_and_outputs.compute_stream
 
     @staticmethod
     def _preempted(row_slots: RowSlotArgs, hooks: Hooks, request_ids: list[str]) -> None:
         """Soft reset requests give their slots back (a re-admitted one is written again from the tokens it holds),
         then the engine hears of them. The slot table lives as long as this manager: nothing else keeps it, so a
         dropped manager (sleep, restart) frees its cache."""
-        row_slots.table.forget(request_ids)
+        row_slots.sampling.forget(request_ids)
         hooks.on_preempt(request_ids)
 
     @property

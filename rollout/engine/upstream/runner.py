@@ -1,17 +1,17 @@
 """The hooks into transformers' model runner and its step inputs and outputs, so every row gets its own temperature /
 top-k / top-p (greedy rows next to sampled ones, temperature 0 and top_k above the vocabulary included, none of which
-the engine survives on its own) and both logprobs come from the one pass:
+the engine survives on its own) and both logprobs come from the one pass. What samples is the engine's (a
+`StepSampling`, rollout/engine/sampling/step.py), handed in at construction; this module only plugs it in:
 
 - `RowSlotArgs` stands where upstream's per-request logits processors are, to own one int32 line of the step's bulk
-  input tensor: while the step's inputs are prepared, each sampling row's slot in the `SlotTable` (slots.py) is
-  written there, and travels to the device with the other inputs.
-- `RolloutModelRunner._forward_process_and_sample`: the forward (its fp32 linears on oneDNN when the worker chose
-  so: `RowSlotArgs.linears`, a thread-local switch, onednn.py; its RMSNorms and rotary embeddings fused,
-  bit for bit torch's: `RowSlotArgs.fused`, elementwise.py), then `sampler.sample_rows` on the rows'
-  parameters (gathered from the table by slot) and random counters (their positions); it writes the token, its
-  full-vocabulary logprob and its sampling logprob into three rows of the step's output tensor, and, on a step where
-  some row asks for top logprobs, the top ids and logprobs into the rows after them (`TOP_IDS`, `TOP_VALUES`). Device
-  work only, nothing read back: the step can run ahead of the host (async batching) and be captured (CUDA graphs).
+  input tensor: while the step's inputs are prepared, the sampling hands back the step's `choice` (what the step's
+  forward and read-back need: its sampler passes, a verify step's logits rows) after writing each sampling row's slot
+  into that line, which travels to the device with the other inputs.
+- `RolloutModelRunner._forward_process_and_sample`: the forward (inside the sampling's kernel contexts), then the
+  sampling of the step's logits rows; it writes the token, its full-vocabulary logprob and its sampling logprob into
+  three rows of the step's output tensor, and, on a step where some row asks for top logprobs, the top ids and
+  logprobs into the rows after them (`TOP_IDS`, `TOP_VALUES`). Device work only, nothing read back: the step can run
+  ahead of the host (async batching) and be captured (CUDA graphs).
 - `RolloutIOs`: the output tensor gets those rows; where the engine reads tokens and logprobs back after the step
   (`prepare_batch_update`), the sampling logprobs come back with them, in the same read, to `record`, with a reader
   of each recorded row's top lists (`TopReader`: only rows that asked are read).
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from contextlib import nullcontext
+from typing import Protocol
 
 import torch
 from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessorList
@@ -34,11 +34,7 @@ from transformers.generation.continuous_batching.utils import CudaGraphBuffer
 from transformers.generation.logits_process import LogitsProcessorList
 
 from ...base.params import MAX_TOP_LOGPROBS
-from ..elementwise import Fused
-from ..onednn import OneDNNLinears
-from ..sampler import ALL, sample_rows
-from ..slots import SlotTable
-from .verify import Verifier
+from .state import stop_ids
 
 # output_ids: tokens, logprobs (fp32 bits), sampling logprobs (fp32 bits), then MAX_TOP_LOGPROBS rows of top ids and
 # as many of their logprobs (fp32 bits), most likely first (written only on steps where some row asks for them)
@@ -49,35 +45,42 @@ OUTPUT_ROWS = TOP_VALUES + MAX_TOP_LOGPROBS
 DROPPED = (RequestStatus.FINISHED, RequestStatus.PENDING)
 
 
+class StepChoice(Protocol):
+    """What one step's inputs chose (the engine's `StepChoice`): read by that step's forward and read-back."""
+
+    verify: object | None  # a verify step's logits rows (`indices`, `slots`, `num_columns`); None: one per row
+
+    @property
+    def num_columns(self) -> int | None: ...
+
+
+class StepSampling(Protocol):
+    """The engine's per-row sampling (rollout/engine/sampling/step.py `StepSampler`)."""
+
+    def bind(self, stream, on_grow: Callable[[], None]) -> None: ...
+    def forget(self, request_ids: list[str]) -> None: ...
+    def prepare(self, requests_in_batch, arg_storage: torch.Tensor) -> StepChoice: ...
+    def forward_context(self): ...
+    def sample(self, logits: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, step: StepChoice): ...
+    def accept(self, step: StepChoice, request_id: str, stops, row: int, tokens: list[int],
+               values: list[float]) -> list[int]: ...
+
+
 class RowSlotArgs(ContinuousBatchingLogitsProcessorList):
     """No logits processing (the runner samples); one argument line: the slot of each row that samples."""
 
-    def __init__(self, table: SlotTable, all_passes: bool, verifier: Verifier | None = None) -> None:
+    def __init__(self, sampling: StepSampling, verifier=None) -> None:
         super().__init__(LogitsProcessorList())
         self.tensors_required = 1
-        self.table = table
-        self.all_passes = all_passes  # a captured step replays one path: it must be the full one
-        self.passes = ALL  # this step's sampler passes, read by the runner's forward
-        self.verifier = verifier  # speculative decoding (verify.py); None: every row samples one position
-        self.linears: OneDNNLinears | None = None  # the forward's linears on oneDNN (onednn.py), or None
-        self.fused: Fused | None = None  # the forward's RMSNorms and rotary embeddings fused (elementwise.py), or None
+        self.sampling = sampling
+        self.verifier = verifier  # speculative decoding (the engine's Verifier), for the scheduler and processor
+        self.choice: StepChoice | None = None  # the choice of the step whose inputs were prepared last
 
     def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
         int32_tensor.fill_(0)  # the table's default row
 
     def prepare_tensor_args(self, requests_in_batch, arg_storage: torch.Tensor) -> torch.Tensor:
-        states = [fs.state for fs in requests_in_batch if fs.has_new_token]
-        slots = self.table.slots(states)
-        self.passes = ALL if self.all_passes else self.table.passes(slots)
-        if self.passes.constrain and not self.all_passes:  # grammar masks of constrained rows, from the tokens the
-            # previous step read back (sync batching only: the worker refuses constrained rows under async batching)
-            self.table.constrain(states, slots)
-        if self.passes.adjust and self.table.adjusting:  # rows past these must not count a token for a live request
-            arg_storage[0, len(slots):].zero_()
-        if slots:  # otherwise rows past these keep older (valid) slots: their samples are never read
-            arg_storage[0, : len(slots)] = torch.tensor(slots, dtype=torch.int32).to(arg_storage.device)
-        if self.verifier is not None:  # a step with drafts computes and samples more positions than rows
-            self.verifier.plan(requests_in_batch, slots, arg_storage.device)
+        self.choice = self.sampling.prepare(requests_in_batch, arg_storage)
         return arg_storage
 
 
@@ -89,33 +92,31 @@ class RolloutModelRunner(ModelRunner):
     @classmethod
     def adopt(cls, runner: ModelRunner) -> "RolloutModelRunner":
         runner.__class__ = cls
-        # the table reaches the runner weakly: a bound method would close a cycle (runner -> its row args -> the
-        # table -> runner) that keeps the KV cache alive past the manager until the cycle collector runs
+        # the sampling reaches the runner weakly: a bound method would close a cycle (runner -> its row args -> the
+        # sampling's table -> runner) that keeps the KV cache alive past the manager until the cycle collector runs
         runner_ref = weakref.ref(runner)
-        runner.logit_processor.table.on_grow = lambda: (r := runner_ref()) is not None and r.drop_graphs()
+        runner.logit_processor.sampling.bind(runner.inputs_and_outputs.compute_stream,
+                                             lambda: (r := runner_ref()) is not None and r.drop_graphs())
         return runner  # type: ignore[return-value]
 
     def _forward_process_and_sample(self, model, batch_data, carry_over_ids, prev_output_ids, output_ids) -> None:
         self.inputs_and_outputs.carry_over_tokens(batch_data["input_ids"], carry_over_ids, prev_output_ids)
         args = self.logit_processor
-        plan = args.verifier.plan_ if args.verifier is not None else None
-        if plan is None:
+        step = args.choice
+        if step.verify is None:
             indices = batch_data["logits_indices"]  # [num_sequences]: the rows that sample a token come first
             slots = batch_data["logits_processor_args"][0]
-        else:  # a verify step: every sampling row's first position, then the draft positions (verify.Plan)
-            indices, slots = plan.indices, plan.slots
+        else:  # a verify step: every sampling row's first position, then the draft positions
+            indices, slots = step.verify.indices, step.verify.slots
             if "logits_to_keep" in batch_data:
                 batch_data["logits_to_keep"] = indices
-        # the linears on oneDNN where chosen (onednn.py), norms and rotary fused where the model has Llama's
-        with args.linears or nullcontext(), args.fused or nullcontext():
+        with args.sampling.forward_context():  # the linears on oneDNN, norms and rotary fused, where chosen
             logits = model(**batch_data).logits  # [1, num_tokens or num_logits, V]
         if "logits_to_keep" not in batch_data:
             logits = logits[:, indices, :]
         logits = logits[0].float()  # [num_sequences (+ draft positions), V]
-        rows = args.table.rows(slots[: logits.shape[0]], args.passes)
         positions = batch_data["position_ids"][0].index_select(0, indices.long()).long()  # of each row's last token
-        drawn = sample_rows(logits, rows, positions, args.passes)
-        args.table.count(rows, drawn.tokens)  # penalties count what each row sampled (steps with the adjust pass)
+        drawn = args.sampling.sample(logits, slots, positions, step)
         count, top = drawn.tokens.size(0), drawn.top_ids.size(1)
         output_ids[0, :count].copy_(drawn.tokens)
         output_ids[1, :count].copy_(drawn.logprobs.view(dtype=torch.int32))
@@ -155,24 +156,26 @@ class RolloutIOs(ContinuousBatchingIOs):
     """Step inputs and outputs with the sampling-logprob and top-list rows, read back with upstream's two."""
 
     record: Record
-    verifier: Verifier | None
+    row_args: RowSlotArgs
 
     @classmethod
-    def adopt(cls, ios, record: Record, verifier: Verifier | None = None) -> None:
+    def adopt(cls, ios, record: Record, row_args: RowSlotArgs) -> None:
         """Every ContinuousBatchingIOs of a batch processor: its one, or the host and device halves of both async
         pairs. Before any step: no captured graph holds the old output tensor."""
         for io in _all_ios(ios, hosts=True):
             io.__class__ = cls
             io.record = record
-            io.verifier = verifier
+            io.row_args = row_args
             old = io.output_ids
             io.output_ids = torch.zeros((OUTPUT_ROWS, old.shape[1]), dtype=old.dtype, device=old.device,
                                         pin_memory=old.is_pinned())
 
     def prepare_batch_update(self):
-        verifier = self.verifier
-        plan = verifier.plan_ if verifier is not None else None
-        count = self.num_request_in_batch if plan is None else plan.num_columns
+        # the choice of the step read back: under async batching the next step's inputs may be prepared already, but
+        # those steps never verify (sync steps only), so their choice reads back one column per row all the same
+        step, sampling = self.row_args.choice, self.row_args.sampling
+        columns_of_step = None if step is None else step.num_columns
+        count = self.num_request_in_batch if columns_of_step is None else columns_of_step
         outputs = self.output_ids[:, :count].cpu()  # the step's one read-back (a no-op copy on CPU)
         sampling = outputs[2].view(dtype=torch.float32).tolist()
         tokens, logprobs = outputs[0].tolist(), outputs[1].view(dtype=torch.float32).tolist()
@@ -180,8 +183,9 @@ class RolloutIOs(ContinuousBatchingIOs):
         for future in self.requests_in_batch:  # sampling rows are the new-token requests, in order
             if future.has_new_token:
                 if future.state.status not in DROPPED:
-                    # a verify row emits one token or more (verify.py): each recorded in order, from its column
-                    emitted = [row] if plan is None else verifier.accept(future.state, row, tokens, logprobs)
+                    # a verify row emits one token or more (speculation/verifier.py): each recorded in order
+                    emitted = [row] if columns_of_step is None else \
+                        sampling.accept(step, future.state.request_id, stop_ids(future.state), row, tokens, logprobs)
                     for column in emitted:
                         ids.append(future.state.request_id)
                         values.append(sampling[column])

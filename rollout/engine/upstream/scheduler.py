@@ -12,7 +12,6 @@ from collections.abc import Callable
 from transformers.generation.continuous_batching.requests import RequestStatus
 from transformers.generation.continuous_batching.scheduler import FIFOScheduler
 
-from .verify import Verifier
 
 SCHEDULER_NAME = "rollout_fifo"
 CHILD_SEPARATOR = "__child#"
@@ -28,7 +27,7 @@ class RolloutScheduler(FIFOScheduler):
     on_prefix_hit: Callable[[str, int], None] | None = None
     on_split: Callable[[str, int], None] | None = None
     on_schedule: Callable[[object], None] | None = None
-    verifier: Verifier | None = None  # speculative decoding (verify.py): a decoding request's drafts join its token
+    verifier: object | None = None  # speculative decoding (the engine's Verifier): a decoding request's drafts join its token
 
     def schedule_batch(self, token_budget: int, cache_budget: int):
         # upstream's preemption sets block_new_requests (admit nothing new until the survivors make room) and only a

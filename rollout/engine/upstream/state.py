@@ -1,4 +1,4 @@
-"""What an upstream RequestState holds, read the one way that survives a soft reset."""
+"""What an upstream RequestState holds: its history, read the one way that survives a soft reset, and its stop ids."""
 
 from __future__ import annotations
 
@@ -10,3 +10,8 @@ def history(state) -> tuple[list[int], list[int]]:
     if true:
         return state.initial_tokens[:true], state.initial_tokens[true:] + state.generated_tokens
     return state.initial_tokens, state.generated_tokens
+
+
+def stop_ids(state) -> list[int]:
+    """The ids that end a RequestState's completion, as upstream checks them (`_eos_token_ids`, HOOKS)."""
+    return state._eos_token_ids

@@ -15,7 +15,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import Counter
 
-from .upstream.memory import kv_pages
+from ..upstream import kv_pages
 
 # seconds: an environment step is a tool call, a sandbox run or a judge; from sub-millisecond to minutes
 ENV_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)

@@ -26,10 +26,10 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from ..base.params import SamplingParams
+from ...base.params import SamplingParams
 from .grammar import GrammarTable
 from .penalties import Adjust, AdjustTable
-from .upstream.state import history
+from ..upstream import history
 from .sampler import ALL, NONE, Passes, RowSpec, SamplingRows
 
 # columns; TEMPERATURE to REPETITION hold float64 bit patterns

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import traceback
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from ..base.batch import Row
-from ..base.params import SamplingParams
-from .episode import Episode
+from ...base.batch import Row
+from ...base.params import SamplingParams
+
+if TYPE_CHECKING:  # a Sample carries its episode; the episodes room drives samples (it imports this one)
+    from ..episodes.episode import Episode
+
+LOG = logging.getLogger("rollout")
 
 
 @dataclass(eq=False)
@@ -113,8 +119,8 @@ class Call:
 
     def settle(self) -> None:
         """The call is over and its `on_over` has run: set `settled`, wake every waiter, then run the done callbacks,
-        each once. One that raises is reported on stderr, as an uncaught exception in a thread is: it runs on the
-        engine's supervisor thread, which must live on."""
+        each once. One that raises is logged on the "rollout" logger with its traceback: it runs on the engine's
+        supervisor thread, which must live on."""
         with self._callbacks_lock:
             self.settled.set()
             callbacks, self._done_callbacks = self._done_callbacks, []
@@ -123,8 +129,8 @@ class Call:
         for fn in callbacks:
             try:
                 fn()
-            except Exception:
-                traceback.print_exc()
+            except Exception:  # noqa: BLE001
+                LOG.exception("rollout: a done callback of a generate call raised; the call itself is settled")
 
     def is_over(self) -> bool:
         return self.cancelled or self.failure is not None or all(s.row is not None for s in self.samples)

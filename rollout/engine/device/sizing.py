@@ -8,9 +8,9 @@ import math
 import torch
 from transformers.utils.generic import is_flash_attention_requested
 
-from ..base.config import WorkerConfig
-from ..base.errors import invalid
-from .upstream import NAME, attn_mask_is_needed, current_attn_implementation, planned_memory
+from ...base.config import WorkerConfig
+from ...base.errors import invalid
+from ..upstream import NAME, attn_mask_is_needed, current_attn_implementation, planned_memory
 
 MIN_BLOCKS = 4
 PLAN_MARGIN = 0.9  # of that, what a fraction budget's KV may take: the rest is the step's tensors and rounding

@@ -18,8 +18,8 @@ from collections.abc import Iterable
 
 from .call import Call, Sample
 from .ledger import Entry, Ledger
-from .sampler import RowSpec
-from .upstream import CHILD_SEPARATOR
+from ..sampling.sampler import RowSpec
+from ..upstream import CHILD_SEPARATOR
 
 
 class Requests:

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from transformers.generation.continuous_batching.cache import PagedAttentionCache
+from ..upstream import PagedAttentionCache
 
-from .. import decode_kernel
+from ..kernels import decode_kernel
 
 # Decode rows are bucketed by key length. A row joins the current bucket when padding the bucket to its length costs
 # fewer key reads than one more SDPA call (CALL_TOKENS, in key tokens per row) and the bucket's KV stays small enough
@@ -71,7 +71,7 @@ class SharedPrefixes:
 
 @dataclass
 class KernelRows:
-    """Every decode row of a step as the paged decode kernel reads them (rollout/engine/decode_kernel.py), in step
+    """Every decode row of a step as the paged decode kernel reads them (rollout/engine/kernels/decode_kernel.py), in step
     order: no buckets, no shared prefixes, the keys read where they lie."""
 
     table: torch.Tensor  # int64 [R, most pages] each row's pages in order (a shorter row repeats its last page)

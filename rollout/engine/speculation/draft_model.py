@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ..base.errors import invalid
-from .sampler import RowSpec, SamplingRows, sample_rows
+from ...base.errors import invalid
+from ..sampling.sampler import RowSpec, SamplingRows, sample_rows
 
 
 class DraftModel:

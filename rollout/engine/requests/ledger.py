@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from .sampler import RowSpec
+from ..sampling.sampler import RowSpec
 
 Top = tuple[list[int], list[float]]  # one position's most likely token ids and their logprobs
 

@@ -34,24 +34,27 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from ..base.batch import Row
 from ..base.config import WorkerConfig, check_in_flight
-from ..base.errors import invalid
+from ..base.errors import invalid, logged
 from ..base.params import SamplingParams
 from ..moe import Routing, find_routers
-from . import cuda, elementwise, onednn, openmp, sizing
-from .call import Call, Sample
-from .counters import Counters
-from .driver import EpisodeDriver
-from .grammar import Grammars
-from .ledger import Entry, split_tops
-from .recorder import RoutingHole, RoutingRecorder
-from .requests import Requests
-from .sampler import RowSpec
-from .slots import SlotTable
-from .speculator import Speculator
-from .streams import stream_key
-from .trace import TurnTrace
+from .device import cuda, sizing
+from .kernels import elementwise, onednn, openmp
+from .requests.call import Call, Sample
+from .observe.counters import Counters
+from .episodes.driver import EpisodeDriver
+from .sampling.grammar import Grammars
+from .requests.ledger import Entry, split_tops
+from .observe.recorder import RoutingHole, RoutingRecorder
+from .requests.inflight import Requests
+from .sampling.sampler import RowSpec
+from .sampling.slots import SlotTable
+from .speculation.speculator import Speculator
+from .sampling.streams import stream_key
+from .observe.trace import TurnTrace
+from .attention import install
+from .sampling.step import StepSampler
 from .upstream import (SCHEDULER_NAME, GenerationOutput, Hooks, RequestState, RequestStatus, RolloutManager,
-                       RowSlotArgs, TopReader, install, kv_pages, switch)
+                       RowSlotArgs, TopReader, install_fused, install_linear, kv_pages, switch)
 
 LOG = logging.getLogger("rollout")
 
@@ -64,7 +67,7 @@ SLOTS_PER_BATCH_ROW = 4  # the slot table's first capacity, per row of a step (i
 
 class Engine:
     def __init__(self, model, config: WorkerConfig, version: int = 0, draft_model=None) -> None:
-        install()  # the hooks on transformers this engine relies on (upstream/install.py), once per process
+        install()  # the hooks on transformers this engine relies on (upstream/patches.py), once per process
         self.model = model
         self.config = config.for_device(model.device)  # every size resolved (the device's defaults)
         self.version = version
@@ -93,8 +96,9 @@ class Engine:
         self._speculator = Speculator.of(self.config, self._draftable, self._drafted, draft_model, self._row_spec)
         # the kernels of the forward's fp32 linears, named as in WorkerConfig.cpu_linear (onednn.py), chosen once
         self.linears = "onednn" if onednn.choose(self.config.cpu_linear, self.model) else "blas"
+        self.packs = onednn.PackedWeights()  # this engine's weights packed for oneDNN (none with "blas")
         if self.linears == "onednn":
-            onednn.install()
+            install_linear(onednn.FLAG, onednn.linear)
         self._manager = self._build_manager()
         self._supervisor = threading.Thread(target=self._supervise, daemon=True, name="rollout-supervisor")
         self._supervisor.start()
@@ -121,11 +125,9 @@ class Engine:
                       on_step=self._trace_step)
         was_training = self.model.training
         verifier = self._speculator.verifier() if self._speculator is not None else None
-        row_args = RowSlotArgs(table, graphs, verifier)
-        row_args.linears = onednn.OneDNNLinears() if self.linears == "onednn" else None
-        cpu = self.model.device.type == "cpu"
-        row_args.fused = elementwise.Fused() if cpu and elementwise.install(self.model) else None
-        manager = RolloutManager(self.model, gen_config, cb_config, row_args, hooks)
+        linears = onednn.OneDNNLinears(self.packs) if self.linears == "onednn" else None
+        sampling = StepSampler(table, graphs, verifier, linears, self._fused())
+        manager = RolloutManager(self.model, gen_config, cb_config, RowSlotArgs(sampling, verifier), hooks)
         self.max_request_tokens = manager.max_request_tokens
         self.model.train(was_training)
         self._record_routing(manager)
@@ -133,6 +135,16 @@ class Engine:
                                   self.max_request_tokens)  # before the thread starts: nothing to stop
         manager.start()
         return manager
+
+    def _fused(self) -> elementwise.Fused | None:
+        """The forward's norms and rotary on the fused kernels (elementwise.py), where the model has Llama-exact ones
+        on a CPU whose kernels give torch's bits; None keeps torch's ops."""
+        if self.model.device.type != "cpu" or elementwise.load() is None:
+            return None
+        # the patched forwards look the kernels up at each call (a spy or a reloaded module is seen)
+        found = install_fused(self.model, elementwise.FLAG, lambda *a: elementwise.rms_norm(*a),
+                              lambda *a: elementwise.rotary(*a))
+        return elementwise.Fused() if found else None
 
     def _record_routing(self, manager: RolloutManager) -> None:
         """A fresh recorder for this manager (the previous one's hooks removed), when recording routing."""
@@ -181,7 +193,7 @@ class Engine:
                 manager, self._manager = self._manager, None
             if manager is not None:
                 manager.stop(block=True, timeout=30)  # joins the thread, frees the batch processor and its cache
-                onednn.forget(self.model.parameters())  # packed weights go back too
+                self.packs.forget(self.model.parameters())  # packed weights go back too
                 self.counters.slept()
                 del manager
                 self._stop_recording()
@@ -204,7 +216,7 @@ class Engine:
     def weights_changed(self) -> None:
         """The model's weights were written in place (an update, a refresh, an adapter merge or unmerge): what the
         engine keeps derived from them (oneDNN's packed copies) is rebuilt at its next use."""
-        onednn.weights_changed()
+        self.packs.weights_changed()
 
     def close(self) -> None:
         with self._cond:
@@ -217,7 +229,7 @@ class Engine:
         manager, self._manager = self._manager, None
         if manager is not None and manager.has_thread():
             manager.stop(block=True, timeout=30)
-        onednn.forget(self.model.parameters())
+        self.packs.forget(self.model.parameters())
         self._stop_recording()
 
     def _restart(self) -> None:
@@ -229,7 +241,7 @@ class Engine:
                     "(restart %d)", "no error recorded" if error is None else f"{type(error).__name__}: {error}",
                     len(self._requests.pending), self.num_restarts + 1)
         self._release_loop()  # the dead manager's pause, if held (re-taken on the new one)
-        with contextlib.suppress(Exception):
+        with logged("stopping the dead engine's manager"):
             old.stop(block=True, timeout=30)
         if error is not None:  # its frames hold the dead loop's batch processor: its cache is freed now, not whenever
             traceback.clear_frames(error.__traceback__)  # the cycle collector next runs (a log record may keep it)
@@ -390,7 +402,7 @@ class Engine:
             self._cond.wait_for(lambda: not self._updating)
             self._wake_locked()  # a sleeping engine wakes for work
             if self.linears == "onednn":
-                onednn.check_packs()  # weights changed without a refresh are packed again
+                self.packs.check()  # weights changed without a refresh are packed again
             if call.index is None:
                 call.index = next(self._call_index)
             self._calls.append(call)

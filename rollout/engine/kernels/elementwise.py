@@ -8,10 +8,11 @@ roundings in the same order, including the order torch's CPU kernel sums a row (
 accumulators), so the results are the same bits: nothing downstream, the exactness tests included, can tell the two
 paths apart.
 
-`install(model)` patches the forward of each RMSNorm class of the model whose code is exactly Llama's (Qwen2, Qwen3,
-Mistral and others copy it), and the `apply_rotary_pos_emb` of each modeling module whose code is exactly Llama's. The
-patched functions take the fused path only inside `Fused()` on the engine thread (a thread-local flag, as oneDNN's
-linears are), for fp32 CPU tensors without autograd, and never while torch.compile traces; everywhere else
+The engine has the forward of each RMSNorm class of the model whose code is exactly Llama's (Qwen2, Qwen3, Mistral
+and others copy it), and the `apply_rotary_pos_emb` of each modeling module whose code is exactly Llama's, call these
+kernels (`upstream.install_fused(model, FLAG, rms_norm, rotary)`: the one room for process-wide patches). The patched
+functions take the fused path only inside `Fused()` on the engine thread (the thread-local `FLAG`, as oneDNN's
+linears have), for fp32 CPU tensors without autograd, and never while torch.compile traces; everywhere else
 (the trainer's forward of the same shared model, other threads, other dtypes) they call the original. A model whose
 norm or rotary code differs from Llama's by a character keeps its own.
 
@@ -22,12 +23,8 @@ one bit different from torch on rows of several widths (a CPU or torch build tha
 
 from __future__ import annotations
 
-import ast
 import ctypes
 import functools
-import inspect
-import sys
-import textwrap
 import threading
 import warnings
 
@@ -39,18 +36,18 @@ from . import native, openmp
 FLAGS = ("-ffp-contract=off",)  # torch rounds a product before it is added: no fused multiply-adds
 MAX_WIDTH = 32768  # torch sums one row of at least its grain size (32768) in two passes across threads: not followed
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_local = threading.local()
+FLAG = threading.local()  # `on` while the engine thread's forward runs inside `Fused()`
 
 
 class Fused:
     """The engine thread's forward takes the fused path inside this context (elementwise.py)."""
 
     def __enter__(self) -> "Fused":
-        _local.on = True
+        FLAG.on = True
         return self
 
     def __exit__(self, *exc) -> None:
-        _local.on = False
+        FLAG.on = False
 
 
 @functools.lru_cache(maxsize=1)
@@ -115,96 +112,15 @@ def _tracked(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-# ---------------------------------------------------------------------------------------------------- patching
-def _code(fn) -> str:
-    """fn's code without its name, decorators and docstring: equal for two functions that compute the same thing."""
-    node = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
-    node.name, node.decorator_list, node.returns = "_", [], None
-    if node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant):
-        node.body = node.body[1:]
-    for arg in node.args.args + node.args.kwonlyargs:
-        arg.annotation = None
-    return ast.dump(node)
-
-
-_NORM = _code(modeling_llama.LlamaRMSNorm.forward)
-_ROTARY = _code(modeling_llama.apply_rotary_pos_emb)
-_ROTATE_HALF = _code(modeling_llama.rotate_half)
-_ORIGINAL_ROTARY = modeling_llama.apply_rotary_pos_emb  # the reference of the self-check, whatever is patched later
-_patched: set = set()  # classes and modeling modules patched
-_rejected: set = set()  # and those whose code is not Llama's (looked at once)
-_patch_lock = threading.Lock()
-
-
-def install(model: torch.nn.Module) -> bool:
-    """Patches the Llama-exact RMSNorm classes and rotary functions of model's modules (once each, process-wide);
-    True where the model has any, so the engine's forward gains from `Fused()`."""
-    if load() is None:
-        return False
-    found = False
-    with _patch_lock:
-        for cls in {type(module) for module in model.modules()}:  # each class and modeling module looked at once
-            found = _patch_norm(cls) | _patch_rotary(sys.modules.get(cls.__module__)) | found
-    return found
-
-
-def _patch_norm(cls: type) -> bool:
-    if cls in _patched:
-        return True
-    if cls in _rejected or not cls.__name__.endswith("RMSNorm") or not _same(cls.forward, _NORM):
-        _rejected.add(cls)
-        return False
-    original = cls.forward
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if getattr(_local, "on", False) and not torch.compiler.is_compiling():
-            out = rms_norm(hidden_states, self.weight, self.variance_epsilon)
-            if out is not None:
-                return out
-        return original(self, hidden_states)
-
-    forward.__wrapped__ = original
-    cls.forward = forward
-    _patched.add(cls)
-    return True
-
-
-def _patch_rotary(module) -> bool:
-    if module is None:
-        return False
-    if module in _patched:
-        return True
-    original, rotate_half = getattr(module, "apply_rotary_pos_emb", None), getattr(module, "rotate_half", None)
-    if module in _rejected or original is None or rotate_half is None or not _same(original, _ROTARY) or \
-            not _same(rotate_half, _ROTATE_HALF):
-        _rejected.add(module)
-        return False
-
-    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if unsqueeze_dim == 1 and getattr(_local, "on", False) and not torch.compiler.is_compiling():
-            pair = rotary(q, k, cos, sin)
-            if pair is not None:
-                return pair
-        return original(q, k, cos, sin, unsqueeze_dim)
-
-    apply_rotary_pos_emb.__wrapped__ = original
-    module.apply_rotary_pos_emb = apply_rotary_pos_emb
-    _patched.add(module)
-    return True
-
-
-def _same(fn, code: str) -> bool:
-    try:
-        return _code(fn) == code
-    except (OSError, TypeError, SyntaxError, IndexError):  # no source (built-in, compiled, interactive)
-        return False
+_ORIGINAL_NORM = modeling_llama.LlamaRMSNorm.forward  # the references of the self-check, whatever is patched later
+_ORIGINAL_ROTARY = modeling_llama.apply_rotary_pos_emb
 
 
 # -------------------------------------------------------------------------------------------------- self-check
 def _self_check(lib: ctypes.CDLL) -> str:
     """'' where the kernels give torch's bits on rows of several widths and counts; else what differed."""
     g = torch.Generator().manual_seed(0)
-    norm = modeling_llama.LlamaRMSNorm.forward.__dict__.get("__wrapped__", modeling_llama.LlamaRMSNorm.forward)
+    norm = _ORIGINAL_NORM
     with torch.no_grad():
         widths = [(w, (1, 3, 130)) for w in (8, 17, 64, 100, 256, 512, 768, 1000, 2048, 4096, 5120)]
         widths += [(8192, (8,)), (30000, (2,))]  # fewer rows than width past torch's grain: still split by rows

@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..base.batch import Row
-from ..base.env import EnvFactory, Turn
-from .ledger import Top, split_tops
+from ...base.batch import Row
+from ...base.env import EnvFactory, Turn
+from ..requests.ledger import Top, split_tops
 
 NO_TOP: Top = ([], [])  # an observation token's top list (or a model token's that asked for none)
 

@@ -75,45 +75,35 @@ def _padded(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 
 class OneDNNLinears:
-    """Inside this context, this thread's `nn.Linear` forwards run on oneDNN for fp32 CPU tensors without autograd;
-    every other thread, and everything else, as usual.
+    """Inside this context, this thread's `nn.Linear` forwards run on oneDNN for fp32 CPU tensors without autograd,
+    reading the weights packed in `packs` (the engine's own); every other thread, and everything else, as usual.
 
-    `nn.Linear.forward` is patched once, process-wide, to look at a thread-local flag: a TorchFunctionMode would do the
-    same for `F.linear`, but it is called for every torch op of the forward (views, products, norms), ~2 us of Python
-    each: 7% of a 64-token forward of the 25M model (16.0 against 17.2 ms, measured). The patched forward costs the
-    trainer's linears one flag read, and takes torch's own path while torch.compile traces."""
+    `nn.Linear.forward` is patched once, process-wide (`upstream.install_linear(FLAG, linear)`, which the engine calls
+    when it chooses oneDNN), to look at a thread-local flag: a TorchFunctionMode would do the same for `F.linear`, but
+    it is called for every torch op of the forward (views, products, norms), ~2 us of Python each: 7% of a 64-token
+    forward of the 25M model (16.0 against 17.2 ms, measured). The patched forward costs the trainer's linears one flag
+    read, and takes torch's own path while torch.compile traces."""
+
+    def __init__(self, packs: "PackedWeights | None" = None) -> None:
+        self.packs = PackedWeights() if packs is None else packs  # the engine's own; a set of its own otherwise
 
     def __enter__(self) -> "OneDNNLinears":
-        install()
-        _local.on = True
+        FLAG.on, FLAG.packs = True, self.packs
         return self
 
     def __exit__(self, *exc) -> None:
-        _local.on = False
+        FLAG.on, FLAG.packs = False, None
 
 
-_local = threading.local()
-_install_lock = threading.Lock()
-_installed = [False]
+FLAG = threading.local()  # `on` (and the engine's `packs`) while the engine thread's forward runs in OneDNNLinears
 
 
-def install() -> None:
-    """Patches `nn.Linear.forward` once: on a thread inside `OneDNNLinears`, eligible linears go to oneDNN; everything
-    else calls the forward that was there before (torch's, or whatever a profiler or library put there first)."""
-    with _install_lock:
-        if _installed[0]:  # once: a wrapper put over ours later (a profiler's timer) stays on top
-            return
-        before = torch.nn.Linear.forward
-
-        def forward(self, input: torch.Tensor) -> torch.Tensor:
-            if not torch.compiler.is_compiling() and getattr(_local, "on", False) and \
-                    _eligible(input, self.weight, self.bias):
-                return _bucketed_linear(input, packed(self.weight), self.bias)
-            return before(self, input)
-
-        forward.__wrapped__ = before
-        torch.nn.Linear.forward = forward
-        _installed[0] = True
+def linear(module: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor | None:
+    """The patched `nn.Linear.forward`'s first try inside `OneDNNLinears`: oneDNN on the packed weight, or None for an
+    input it does not take (torch's forward then runs)."""
+    if not _eligible(input, module.weight, module.bias):
+        return None
+    return _bucketed_linear(input, FLAG.packs.packed(module.weight), module.bias)
 
 
 # Packed weights. oneDNN reads a weight in its own blocked layout; handed the plain [out, in] tensor, it reorders it on
@@ -122,10 +112,11 @@ def install() -> None:
 # from 2 rows up. The copy costs the linear weights' memory once more. It is the weight's value when packed, so it is
 # packed again when the weight may have changed: its version counter or storage moved (an in-place op, a `copy_`, a new
 # tensor), or `weights_changed()` was called (the worker calls it on every refresh, update and adapter merge, which may
-# write through `.data` or a fused optimizer that leaves the counter alone), or `check_packs()` (the engine calls it as
-# each call is accepted) found a sampled element that differs from the weight's.
+# write through `.data` or a fused optimizer that leaves the counter alone), or `check()` (the engine calls it as each
+# call is accepted) found a sampled element that differs from the weight's. Each engine keeps its own packs: one
+# worker's weight change repacks only what that worker packed.
 PACK_ROWS = 64  # the row count oneDNN is told to pack for; measured alike at 16, 64 and 256 rows
-PROBES = 64  # elements of each weight compared by check_packs
+PROBES = 64  # elements of each weight compared by check
 
 
 @dataclass
@@ -138,58 +129,74 @@ class _Pack:
     probe: torch.Tensor  # PROBES elements of the weight, spread over it, as packed
 
 
-_packs: dict[int, _Pack] = {}  # id(weight) -> its packed copy
-_epoch = [0]
+class PackedWeights:
+    """One engine's weights packed for oneDNN (each dropped with its weight)."""
 
+    def __init__(self) -> None:
+        self._packs: dict[int, _Pack] = {}  # id(weight) -> its packed copy
+        self._epoch = 0
 
-def packed(weight: torch.Tensor) -> torch.Tensor:
-    """weight packed for oneDNN, as it is now (packed again where it may have changed)."""
-    entry = _packs.get(id(weight))
-    if entry is not None and entry.weight() is weight and entry.epoch == _epoch[0] and \
-            entry.version == weight._version and entry.address == weight.data_ptr():
+    def __len__(self) -> int:
+        return len(self._packs)
+
+    def packed(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight packed for oneDNN, as it is now (packed again where it may have changed)."""
+        entry = self._packs.get(id(weight))
+        if entry is not None and entry.weight() is weight and entry.epoch == self._epoch and \
+                entry.version == weight._version and entry.address == weight.data_ptr():
+            return entry.packed
+        with torch.no_grad():
+            entry = _Pack(weakref.ref(weight, functools.partial(_dropped, weakref.ref(self), id(weight))),
+                          torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS), weight._version,
+                          weight.data_ptr(), self._epoch, _probe(weight))
+        self._packs[id(weight)] = entry
         return entry.packed
-    with torch.no_grad():
-        entry = _Pack(weakref.ref(weight, functools.partial(_dropped, id(weight))),
-                      torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS), weight._version,
-                      weight.data_ptr(), _epoch[0], _probe(weight))
-    _packs[id(weight)] = entry
-    return entry.packed
+
+    def weights_changed(self) -> None:
+        """Every packed weight is packed again at its next use."""
+        self._epoch += 1
+
+    def check(self) -> bool:
+        """Whether every packed weight still holds its weight's sampled elements; if not, all are packed again at their
+        next use. ~0.1 ms for the 25M model: it catches weights changed without a refresh (a contract the README
+        states)."""
+        for entry in list(self._packs.values()):
+            weight = entry.weight()
+            if weight is not None and entry.epoch == self._epoch and \
+                    not torch.equal(_probe(weight).view(torch.int32), entry.probe.view(torch.int32)):  # NaN bits too
+                self.weights_changed()
+                return False
+        return True
+
+    def forget(self, weights) -> None:
+        """Drops the packed copies of these weights (a worker sleeping or closing): their memory goes back."""
+        for weight in weights:
+            entry = self._packs.get(id(weight))
+            if entry is not None and entry.weight() is weight:
+                del self._packs[id(weight)]
+
+    def holds(self, weight: torch.Tensor) -> bool:
+        entry = self._packs.get(id(weight))
+        return entry is not None and entry.weight() is weight
+
+    def dead(self) -> int:
+        """Entries whose weight is gone (0: a weight's copy dies with it)."""
+        return sum(entry.weight() is None for entry in self._packs.values())
 
 
-def weights_changed() -> None:
-    """Every packed weight is packed again at its next use."""
-    _epoch[0] += 1
 
-
-def check_packs() -> bool:
-    """Whether every packed weight still holds its weight's sampled elements; if not, all are packed again at their
-    next use. ~0.1 ms for the 25M model: it catches weights changed without a refresh (a contract the README states)."""
-    for entry in list(_packs.values()):
-        weight = entry.weight()
-        if weight is not None and entry.epoch == _epoch[0] and \
-                not torch.equal(_probe(weight).view(torch.int32), entry.probe.view(torch.int32)):  # NaN bits too
-            weights_changed()
-            return False
-    return True
-
-
-def forget(weights) -> None:
-    """Drops the packed copies of these weights (a worker sleeping or closing): their memory goes back."""
-    for weight in weights:
-        entry = _packs.get(id(weight))
-        if entry is not None and entry.weight() is weight:
-            del _packs[id(weight)]
+def _dropped(packs_ref: weakref.ref, key: int, ref: weakref.ref) -> None:
+    """A packed weight's weight died: its copy goes too (the packs are reached weakly, so no cycle keeps the copies of
+    a dropped engine alive)."""
+    packs = packs_ref()
+    entry = None if packs is None else packs._packs.get(key)
+    if entry is not None and entry.weight is ref:
+        del packs._packs[key]
 
 
 def _probe(weight: torch.Tensor) -> torch.Tensor:
     flat = weight.detach().reshape(-1)
     return flat[:: max(1, flat.numel() // PROBES)][:PROBES].clone()
-
-
-def _dropped(key: int, ref: weakref.ref) -> None:
-    entry = _packs.get(key)
-    if entry is not None and entry.weight is ref:
-        del _packs[key]
 
 
 def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

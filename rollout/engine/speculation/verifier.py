@@ -29,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
-from transformers.generation.continuous_batching.requests import RequestState, RequestStatus
+
+from ..upstream import RequestState, RequestStatus, complete_blocks, release_pages_past
 
 # a decoding request's drafts for the step being scheduled ([] for none), from the engine
 Propose = Callable[[RequestState], list[int]]
@@ -73,7 +73,6 @@ class Verifier:
     on_step: Callable[[float], None] = lambda seconds: None  # noqa: E731
     started: float = 0.0  # when the step in flight began scheduling (0: none)
     drafted: dict[str, Drafted] = field(default_factory=dict)
-    plan_: Plan | None = None
     step_tokens: int = 0  # query tokens of the last step prepared (for the speculator's cost model)
     verified_step: bool = False  # whether that step had verify rows
     sampled_only: bool = False  # whether every query token of that step was sampled (no prompt chunk in it)
@@ -130,7 +129,6 @@ class Verifier:
         self.verified_step = bool(self.drafted)
         if not self.drafted:
             self.sampled_only = self.step_tokens == len(slots)
-            self.plan_ = None
             return None
         first, extra, extra_slots, rows = [], [], [], []
         start = 0
@@ -150,21 +148,20 @@ class Verifier:
         base = len(first)
         self.sampled_only = self.step_tokens == base + len(extra)
         rows = [(base + column, k) if k else (0, 0) for column, k in rows]
-        self.plan_ = Plan(torch.tensor(first + extra, dtype=torch.long).to(device),
-                          torch.tensor(slots + extra_slots, dtype=torch.int32).to(device), rows)
-        return self.plan_
+        return Plan(torch.tensor(first + extra, dtype=torch.long).to(device),
+                    torch.tensor(slots + extra_slots, dtype=torch.int32).to(device), rows)
 
     # ------------------------------------------------------------------ read-back
-    def accept(self, state: RequestState, row: int, tokens: list[int], values: list[float]) -> list[int]:
-        """The output columns of what a sampling row emits (its first sample's column first). `tokens` / `values`:
-        the step's sampled tokens and logprobs by column. The tokens after the first are kept for `settle`."""
-        plan = self.plan_
-        drafted = self.drafted.get(state.request_id)
-        if plan is None or drafted is None:
+    def accept(self, plan: Plan, request_id: str, stops, row: int, tokens: list[int], values: list[float]
+               ) -> list[int]:
+        """The output columns of what a sampling row emits (its first sample's column first), under the step's `plan`.
+        `stops`: the request's stop ids; `tokens` / `values`: the step's sampled tokens and logprobs by column. The
+        tokens after the first are kept for `settle`."""
+        drafted = self.drafted.get(request_id)
+        if drafted is None:
             return [row]
         start, k = plan.rows[row]
         columns = [row] + list(range(start, start + k))
-        stops = state._eos_token_ids
         emitted = 1
         for i, draft in enumerate(drafted.drafts):
             sampled = tokens[columns[i]]
@@ -172,7 +169,7 @@ class Verifier:
                 break
             emitted += 1
         kept = columns[:emitted]
-        self.extras[state.request_id] = [(tokens[c], values[c]) for c in kept[1:]]
+        self.extras[request_id] = [(tokens[c], values[c]) for c in kept[1:]]
         return kept
 
     # ------------------------------------------------------------------ update
@@ -186,7 +183,7 @@ class Verifier:
                 held.append(future)
         return held
 
-    def settle(self, processor: ContinuousBatchProcessor, held: list) -> None:
+    def settle(self, processor, held: list) -> None:
         """After upstream's update (which took each row's first token): the rest of each verify row's tokens, its
         rollback, its pages; outputs for the requests that finished or stream."""
         outputs, verified = [], []
@@ -217,61 +214,7 @@ class Verifier:
                 outputs.append(state.to_generation_output())
         self.drafted.clear()
         self.extras.clear()
-        self.plan_ = None
         if verified:
             self.on_verified(verified)
         if outputs:
             processor.output_router.deliver_batch(outputs)
-
-
-def complete_blocks(cache, past: int, kept: int) -> dict[str, int]:
-    """The pages that `kept` tokens written from position `past` on complete, per allocator (upstream's count)."""
-    if not cache.use_prefix_sharing:
-        return {}
-    counts = {}
-    for name, allocator in cache.cache_allocators.items():
-        count = (past % allocator.tokens_per_page + kept) // allocator.tokens_per_page
-        if count:
-            counts[name] = count
-    return counts
-
-
-def release_pages_past(cache, request_id: str, length: int) -> None:
-    """Free the request's pages past its first `length` positions (allocated for drafts it did not keep). They were
-    allocated fresh this step, never shared nor hashed."""
-    for allocator in cache.cache_allocators.values():
-        table = allocator.block_table.get(request_id)
-        keep = -(-length // allocator.tokens_per_page)
-        if table is None or len(table) <= keep:
-            continue
-        dropped = table[keep:]
-        del table[keep:]
-        allocator.pool.free_blocks(allocator.index, [b for b in dropped if allocator.ledger.release(b)])
-
-
-class RolloutProcessor(ContinuousBatchProcessor):
-    """upstream's batch processor, settling verify rows after its own update."""
-
-    verifier: Verifier | None
-
-    @classmethod
-    def adopt(cls, processor: ContinuousBatchProcessor, verifier: Verifier | None) -> None:
-        processor.__class__ = cls
-        processor.verifier = verifier
-
-    def __del__(self) -> None:
-        """upstream's drops the step buffers (their CUDA graphs) first, then runs a full garbage collection and empties
-        the device cache: RolloutManager.stop does both where they are needed, once, after the processor is gone."""
-        self.inputs_and_outputs = None
-
-    def update_batch(self) -> None:
-        verifier = self.verifier
-        if verifier is None:
-            return super().update_batch()
-        if not verifier.drafted:
-            super().update_batch()
-        else:
-            held = verifier.hold_blocks(self.inputs_and_outputs.requests_in_batch)
-            super().update_batch()
-            verifier.settle(self, held)
-        verifier.ended()

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from ..base.errors import invalid
-from ..base.structured import Structured, grammar_of, xgrammar
+from ...base.errors import invalid
+from ...base.structured import Structured, grammar_of, xgrammar
 
 @dataclass(frozen=True)
 class Constraint:

@@ -45,12 +45,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..base.config import WorkerConfig
-from ..base.errors import invalid
-from ..base.speculation import Speculation
+from ...base.config import WorkerConfig
+from ...base.errors import invalid
+from ...base.speculation import Speculation
 from .drafts import DraftIndex
-from .upstream.state import history
-from .upstream.verify import Verifier
+from ..upstream import history
+from .verifier import Verifier
 
 log = logging.getLogger("rollout")
 

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..base.params import MAX_TOP_LOGPROBS, SamplingParams
+from ...base.params import MAX_TOP_LOGPROBS, SamplingParams
 from .grammar import Constraint, constrain
 from .penalties import ALL_PARTS, Adjust, adjust_logits, parts
 from .streams import uniforms

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base.params import SamplingParams
+from ...base.params import SamplingParams
 
 # the tables of an AdjustTable: name -> dtype
 TABLES = {"bias": torch.float32, "penalty": torch.float32, "generated": torch.bool, "seen": torch.bool,

@@ -35,7 +35,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..base.speculation import Speculation
+from ...base.speculation import Speculation
 
 LOG = logging.getLogger("rollout")
 

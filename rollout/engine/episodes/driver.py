@@ -15,10 +15,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..base.batch import Row
-from ..base.routing import Routing
-from .call import Sample
-from .counters import Counters
+from ...base.batch import Row
+from ...base.routing import Routing
+from ..requests.call import Sample
+from ..observe.counters import Counters
 from .episode import Episode
 from .stepper import Stepper
 

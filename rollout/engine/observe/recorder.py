@@ -40,8 +40,8 @@ from collections import OrderedDict
 
 import torch
 
-from ..moe import Router, routing_dtype
-from .upstream.scheduler import CHILD_SEPARATOR
+from ...moe import Router, routing_dtype
+from ..upstream import CHILD_SEPARATOR
 
 
 class RoutingHole(RuntimeError):
