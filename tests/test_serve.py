@@ -147,7 +147,7 @@ def test_stop_strings_cut_text_and_tokens_where_the_string_completes(served, tok
 
 def test_a_long_streamed_row_decodes_in_linear_time_and_cuts_where_the_whole_row_does(tok):
     from rollout.base.batch import Row
-    from rollout.server.choices import Detokenizer, StreamedChoice, choice_of
+    from rollout.server.rollouts.choices import Detokenizer, StreamedChoice, choice_of
 
     text = "".join(f"step {i}: caf\u00e9 \u2192 \U0001F600 na\u00efve {i * 7} " for i in range(150)) + "THE END and after"
     ids = tok.encode(text)
@@ -184,7 +184,7 @@ def test_a_long_streamed_row_decodes_in_linear_time_and_cuts_where_the_whole_row
 def test_a_stream_re_run_from_its_first_token_sends_only_what_is_new_and_a_different_one_is_refused(tok):
     """Found by benchmarks/chaos.py: an engine restart re-runs a streamed row from its first token (the same seeded
     tokens, reported again from one); that ended the stream with `aborted_by_weight_update` after any re-run."""
-    from rollout.server.choices import Detokenizer, Diverged, StreamedChoice
+    from rollout.server.rollouts.choices import Detokenizer, Diverged, StreamedChoice
 
     ids = tok.encode("the cat is on the mat and the dog is not")
     state, sent = StreamedChoice(0, Detokenizer(tok)), []
@@ -297,7 +297,7 @@ def test_a_call_of_valid_json_but_not_a_calls_shape_is_content_with_its_markup_a
     """A sampled call whose JSON parses but has no string name (or arguments that are not an object) is returned as
     content, not as a tool call the client could not send back (the server refuses such a message with a 400); the
     markup stays as the model wrote it and the reason comes with it."""
-    from rollout.server.chat import ChatFormat
+    from rollout.server.completions.chat import ChatFormat
 
     fmt = ChatFormat(tok)
     prompt = fmt.render(USER, [ADD])
@@ -396,8 +396,8 @@ def test_a_completions_prompt_refused_is_named_as_the_request_spelled_it(served)
 
 def test_a_400_names_the_parameter_from_the_errors_field_not_from_its_text():
     from rollout.base.errors import invalid
-    from rollout.server.errors import from_value_error
-    from rollout.server.service import API_NAMES
+    from rollout.server.transport.errors import from_value_error
+    from rollout.server.completions.service import API_NAMES
 
     located = from_value_error(invalid("max_new_tokens", 9, "too long", "shorten it", "prompt 0", 0), API_NAMES)
     assert (located.status, located.param) == (400, "max_tokens")  # rollout's name mapped to the request's

@@ -1,4 +1,4 @@
-"""The RL control plane over HTTP (`rollout serve --admin`, rollout/server/admin.py), driven over loopback.
+"""The RL control plane over HTTP (`rollout serve --admin`, rollout/server/admin/routes.py), driven over loopback.
 
 Weights of version 1 are the tiny model's perturbed (test_async.perturbed); every logprob a response carries is checked
 against a plain teacher-forced forward of the weights of the version its token says made it.

@@ -214,8 +214,8 @@ def test_fields_with_no_meaning_here_are_refused_by_name(served):
 
 
 def test_text_format_and_reasoning_effort_reach_the_chat_path_in_its_shape_and_errors_in_the_responses_names():
-    from rollout.server.errors import bad_request
-    from rollout.server.turns import _chat_body, renamed
+    from rollout.server.transport.errors import bad_request
+    from rollout.server.responses.turns import _chat_body, renamed
 
     schema = {"type": "object", "properties": {"x": {"type": "integer"}}}
     chat = _chat_body({"model": "m", "text": {"format": {"type": "json_schema", "name": "x", "schema": schema,
@@ -232,8 +232,8 @@ def test_text_format_and_reasoning_effort_reach_the_chat_path_in_its_shape_and_e
 
 
 def test_reasoning_comes_out_as_a_reasoning_item_and_goes_back_in_as_the_turns_reasoning():
-    from rollout.server.chat import normalize
-    from rollout.server.items import messages_of, output_items
+    from rollout.server.completions.chat import normalize
+    from rollout.server.responses.items import messages_of, output_items
 
     call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 1}"}}
     message = {"role": "assistant", "reasoning_content": "think", "content": "so", "tool_calls": [call]}

@@ -32,9 +32,9 @@ from typing import Any, Callable
 import torch
 from fastapi import Depends, FastAPI, Query, Request
 
-from ..base.errors import invalid
-from .errors import ApiError, bad_request, from_value_error
-from .limits import RequestLimits, read_json
+from ...base.errors import invalid
+from ..transport.errors import ApiError, bad_request, from_value_error
+from ..transport.limits import RequestLimits, read_json
 from .transfer import WeightReceiver, known_fields, parse_update_info, read_checkpoint
 
 PAUSE_MODES = ("abort", "wait", "keep")  # vLLM's; the worker also has "recompute", which only an update can mean

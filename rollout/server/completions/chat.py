@@ -25,8 +25,8 @@ import os
 import uuid
 from typing import Any
 
-from .choices import IncrementalText
-from .errors import bad_request
+from ..rollouts.choices import IncrementalText
+from ..transport.errors import bad_request
 
 
 class ChatFormat:

@@ -22,10 +22,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..base.batch import RolloutBatch
-from ..base.params import SamplingParams
-from ..base.rollouts import Rollouts
-from ..model.loading import pad_token_id
+from ...base.batch import RolloutBatch
+from ...base.params import SamplingParams
+from ...base.rollouts import Rollouts
+from ...model.loading import pad_token_id
 
 # prompt index, sample index, ids, logprobs, versions, top lists (None unless asked): a streamed row so far
 Progress = tuple[int, int, list[int], list[float], list[int], list | None]
