@@ -246,3 +246,13 @@ def test_each_server_subpackage_imports_only_its_allowed_siblings():
     offenders = {f"{a} -> {b}": sorted(files) for (a, b), files in server_arrows().items()
                  if b not in SERVER_ALLOWED[a]}
     assert offenders == {}
+
+
+def test_a_test_module_imports_helpers_from_conftest_never_from_another_test_module():
+    offenders = []
+    for path in sorted(Path(__file__).resolve().parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            offenders += [f"{path.name}: {name}" for name in names if name.split(".")[0].startswith("test_")]
+    assert offenders == []
