@@ -10,21 +10,10 @@ from concurrent.futures import CancelledError
 import pytest
 import torch
 
-from conftest import reference_logprobs
-from rollout import RolloutWorker, SamplingParams, Turn, WorkerConfig
+from conftest import Slowish, gaps_by_version, perturbed, prompts_of, reference_logprobs, wait_for_tokens
+from rollout import RolloutWorker, SamplingParams, WorkerConfig
 
 TOL = 1e-5
-
-
-def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(10, 500, (n,), generator=gen).tolist() for n in lengths]
-
-
-def perturbed(model, seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {name: t + 0.3 * torch.randn(t.shape, generator=gen) * t.std() if t.is_floating_point() and t.numel() > 1
-            else t.clone() for name, t in model.state_dict().items()}
 
 
 @pytest.fixture()
@@ -37,33 +26,6 @@ def own(tiny_path):
     v1.load_state_dict(perturbed(v0, 1))
     with RolloutWorker(tiny_path, WorkerConfig(page_size=16, max_batch_tokens=64)) as worker:
         yield worker, {0: v0, 1: v1}
-
-
-def wait_for_tokens(worker, at_least: int, timeout: float = 30.0) -> None:
-    """Until every in-flight request has sampled `at_least` tokens (so a switch now lands mid-generation)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        counts = [len(v) for v in list(worker.engine._requests.ledger.versions.values())]
-        if counts and min(counts) >= at_least:
-            return
-        time.sleep(0.001)
-    raise AssertionError("the requests never got going")
-
-
-def gaps_by_version(models: dict, batch) -> dict[int, float]:
-    """Max |logprob - teacher-forced forward under the weights of the token's own version|, per version."""
-    worst: dict[int, float] = {}
-    for r in range(len(batch)):
-        n = int(batch.completion_lengths[r])
-        ids = batch.completion_ids[r, :n].tolist()
-        versions = batch.token_versions[r, :n]
-        for version, model in models.items():
-            at = versions == version
-            if at.any():
-                full, _ = reference_logprobs(model, batch.prompt_ids[r], ids)
-                gap = float((batch.logprobs[r, :n][at] - full[at]).abs().max())
-                worst[version] = max(worst.get(version, 0.0), gap)
-    return worst
 
 
 def test_submit_returns_at_once_and_several_calls_run_side_by_side(own):
@@ -218,23 +180,6 @@ def test_wait_and_abort_switches_with_calls_in_flight(own):
     aborted = future.result(timeout=120)
     assert aborted.token_versions[aborted.completion_mask].unique().tolist() == [2]  # re-run from scratch
     assert gaps_by_version({2: models[0]}, aborted)[2] <= TOL
-
-
-class Slowish:
-    """An environment whose steps take 50 ms (an update lands while episodes are in them); turn k is answered with
-    `observation(k)`."""
-
-    @staticmethod
-    def observation(turn: int) -> list[int]:
-        return [11, 12, 13 + turn]
-
-    def __init__(self, prompt_index: int, sample_index: int) -> None:
-        self.turns = 0
-
-    def step(self, completion_ids: list[int]) -> Turn:
-        self.turns += 1
-        time.sleep(0.05)
-        return Turn(self.observation(self.turns))
 
 
 def test_recompute_switch_during_episodes(own):

@@ -9,25 +9,13 @@ import time
 import pytest
 import torch
 
-from conftest import reference_logprobs
+from conftest import PAGE, TOL, prompts_of, reference_logprobs
 from rollout import EpisodeSpec, RolloutBatch, RolloutWorker, SamplingParams, Turn, WorkerConfig
-
-TOL = 1e-5
-PAGE = 16
 
 
 @pytest.fixture(scope="module")
-def worker(tiny_path):
-    from rollout.testing import load_tiny_model
-
-    model, tok = load_tiny_model(tiny_path)
-    with RolloutWorker(model, WorkerConfig(page_size=PAGE, max_batch_tokens=256), tokenizer=tok) as w:
-        yield w
-
-
-def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(10, 500, (n,), generator=gen).tolist() for n in lengths]
+def worker(episodes_worker):
+    return episodes_worker
 
 
 class Echo:

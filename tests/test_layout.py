@@ -329,3 +329,69 @@ def test_tests_read_the_engine_through_its_inspection_api():
                 if name == "engine":
                     reaches.append(f"{path.name}:{node.lineno} .{node.attr}")
     assert len(reaches) <= MAX_TEST_REACHES_INTO_THE_ENGINE, reaches
+
+
+# The server's own layers, by the API each serves: a subpackage may import itself and what is listed; "(top)" is the
+# server's top modules (`__init__`, `app`, `server`), which may import every subpackage and which none imports.
+SERVER = ROOT / "server"
+SERVER_ALLOWED = {
+    "transport": set(),
+    "rollouts": set(),
+    "completions": {"transport", "rollouts"},
+    "responses": {"transport", "rollouts", "completions"},
+    "admin": {"transport"},
+}
+MAX_SERVER_TOP_LEVEL_MODULES = 8
+
+
+def server_arrows() -> dict[tuple[str, str], set[str]]:
+    """(importing subpackage, imported subpackage or "(top)") -> the files that import across, inside rollout/server."""
+    arrows: dict[tuple[str, str], set[str]] = {}
+    for path in sorted(SERVER.rglob("*.py")):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts  # ("rollout", "server", "completions", "chat")
+        if len(parts) < 4:
+            continue  # the server's top modules may import anything of the server
+        here = list(parts[:-1])
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                target = here[: len(here) - node.level + 1] + (node.module.split(".") if node.module else [])
+            elif node.module:
+                target = node.module.split(".")
+            else:
+                continue
+            if target[:2] != ["rollout", "server"]:
+                continue
+            names = [target[2]] if len(target) > 2 else [a.name for a in node.names]
+            for name in names:
+                kind = name if (SERVER / name).is_dir() else "(top)"
+                if kind != parts[2]:
+                    arrows.setdefault((parts[2], kind), set()).add(str(path.relative_to(ROOT.parent)))
+    return arrows
+
+
+def test_the_server_top_level_holds_at_most_8_modules():
+    modules = sorted(p.name for p in SERVER.glob("*.py"))
+    assert len(modules) <= MAX_SERVER_TOP_LEVEL_MODULES, modules
+
+
+def test_each_server_subpackage_imports_only_its_allowed_siblings():
+    folders = {p.name for p in SERVER.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == set(SERVER_ALLOWED), "a new server subpackage needs its row in SERVER_ALLOWED"
+    for folder in folders:
+        doc = ast.get_docstring(ast.parse((SERVER / folder / "__init__.py").read_text()))
+        assert doc and "import" in doc, folder
+    offenders = {f"{a} -> {b}": sorted(files) for (a, b), files in server_arrows().items()
+                 if b not in SERVER_ALLOWED[a]}
+    assert offenders == {}
+
+
+def test_a_test_module_imports_helpers_from_conftest_never_from_another_test_module():
+    offenders = []
+    for path in sorted(Path(__file__).resolve().parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            offenders += [f"{path.name}: {name}" for name in names if name.split(".")[0].startswith("test_")]
+    assert offenders == []

@@ -8,7 +8,7 @@ import contextlib
 import pytest
 import torch
 
-from conftest import reference_logprobs
+from conftest import agreement, own_routing, prompts_of, reference_logprobs, row_tokens
 from rollout import RolloutBatch, RolloutWorker, SamplingParams, Turn, WorkerConfig, replay_routing
 from rollout.moe import Routing, find_routers
 from rollout.moe import capture_routing
@@ -34,35 +34,6 @@ def moe(request, moe_paths):
     worker = RolloutWorker(model, WorkerConfig(page_size=16, max_batch_tokens=256, record_routing=True), tokenizer=tok)
     yield worker
     worker.close()
-
-
-def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(10, 500, (n,), generator=gen).tolist() for n in lengths]
-
-
-def row_tokens(batch: RolloutBatch, r: int) -> list[int]:
-    return list(batch.prompt_ids[r]) + batch.completion_ids[r, : int(batch.completion_lengths[r])].tolist()
-
-
-def own_routing(model, tokens: list[int]) -> torch.Tensor:
-    """The trainer's routing of one row: a plain forward, (positions, layers, top_k) sorted expert ids."""
-    with torch.no_grad(), capture_routing(model) as captured:
-        model(torch.tensor([tokens]))
-    return captured[0].sort(dim=-1).values
-
-
-def agreement(batch: RolloutBatch, model) -> float:
-    """Fraction of (row, position, layer) whose recorded top-k set is the trainer's own."""
-    same = total = 0
-    for r in range(len(batch)):
-        tokens = row_tokens(batch, r)
-        recorded = batch.routing.rows[r].long().sort(dim=-1).values
-        assert recorded.shape[0] == len(tokens) - 1, "every fed position is recorded, no hole"
-        mine = own_routing(model, tokens)[: len(tokens) - 1]
-        equal = (recorded == mine).all(dim=-1)
-        same, total = same + int(equal.sum()), total + equal.numel()
-    return same / total
 
 
 def assert_exact(model, batch: RolloutBatch, temperature: float = 1.0) -> None:

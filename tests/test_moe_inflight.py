@@ -14,8 +14,8 @@ import torch
 
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
 from rollout.testing import load_tiny_model
-from test_async import Slowish as SlowEnv, gaps_by_version, perturbed, wait_for_tokens
-from test_moe import agreement, own_routing, prompts_of, row_tokens
+from conftest import Slowish as SlowEnv, agreement, gaps_by_version, own_routing, perturbed, prompts_of, row_tokens, \
+    wait_for_tokens
 
 TOL = 1e-5
 

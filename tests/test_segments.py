@@ -8,11 +8,15 @@ import time
 
 import pytest
 import torch
-from conftest import reference_logprobs
-from test_episodes import PAGE, TOL, prompts_of, worker  # noqa: F401 - the episodes tests' worker and prompts
+from conftest import PAGE, TOL, prompts_of, reference_logprobs
 
 from rollout import RolloutBatch, RolloutWorker, SamplingParams, Turn, WorkerConfig
 from rollout.base.batch import Row
+
+
+@pytest.fixture(scope="module")
+def worker(episodes_worker):
+    return episodes_worker
 
 
 class Rewriter:

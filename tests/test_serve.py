@@ -7,7 +7,6 @@ an independent reference: logprobs against a plain teacher-forced forward, token
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -16,31 +15,17 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import openai
 import pytest
 import torch
-from conftest import reference_logprobs
+from conftest import ADD, CALL, USER, assert_alternatives_exact, chat, gaps_by_version, http, perturbed, \
+    reference_logprobs, serving, wait_until
+from conftest import SERVED_TOL as TOL, assert_served_exact as assert_exact
 
 import rollout
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
-from rollout.testing import build_chat_tokenizer, load_tiny_model, teach
-
-# The served model is taught (sharper logits than a normally initialised one, init std 0.02, for which the rule is
-# 1e-5: tests/test_worker.py): its engine logprobs sit up to 1.2e-5 from a plain forward on an AVX-512 EPYC core
-# (n = 3, T = 0.9) where another core measured under 1e-5, so the bound here is the taught model's floor.
-TOL = 3e-5
-USER = [{"role": "user", "content": "what is two plus three"}]
-ADD = {"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
-CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call><|end|>'
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_chat_tokenizer()
+from rollout.testing import load_tiny_model, teach
 
 
 @pytest.fixture(scope="module")
@@ -51,38 +36,6 @@ def served(tiny_path, tok):
     teach(model, [(prompt, tok.encode(CALL))], steps=60)
     with serving(model, tok) as handles:
         yield handles
-
-
-@contextlib.contextmanager
-def serving(model, tok):
-    """(worker, server, client) over `model`, shared in place by a worker, served on a free port."""
-    worker = RolloutWorker(model, WorkerConfig(page_size=16, max_batch_tokens=128), tokenizer=tok)
-    server = rollout.serve(worker, port=0, model_name="tiny")
-    try:
-        yield worker, server, openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=600)
-    finally:
-        server.close()
-        worker.close()
-
-
-def http(url: str, data: bytes | None = None) -> tuple[int, dict]:
-    """A raw request (what the openai client would never send), without the client: (status, JSON body)."""
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-
-
-def chat(client, **kwargs):
-    return client.chat.completions.create(**{"model": "tiny", "messages": USER, **kwargs})
-
-
-def assert_exact(model, prompt_ids, token_ids, logprobs, temperature=1.0):
-    full, _ = reference_logprobs(model, prompt_ids, token_ids, temperature=temperature)
-    gap = float((torch.tensor(logprobs) - full).abs().max())
-    assert gap <= TOL, gap
 
 
 # ---------------------------------------------------------------------------------------------- responses
@@ -147,7 +100,7 @@ def test_stop_strings_cut_text_and_tokens_where_the_string_completes(served, tok
 
 def test_a_long_streamed_row_decodes_in_linear_time_and_cuts_where_the_whole_row_does(tok):
     from rollout.base.batch import Row
-    from rollout.server.choices import Detokenizer, StreamedChoice, choice_of
+    from rollout.server.rollouts.choices import Detokenizer, StreamedChoice, choice_of
 
     text = "".join(f"step {i}: caf\u00e9 \u2192 \U0001F600 na\u00efve {i * 7} " for i in range(150)) + "THE END and after"
     ids = tok.encode(text)
@@ -184,7 +137,7 @@ def test_a_long_streamed_row_decodes_in_linear_time_and_cuts_where_the_whole_row
 def test_a_stream_re_run_from_its_first_token_sends_only_what_is_new_and_a_different_one_is_refused(tok):
     """Found by benchmarks/chaos.py: an engine restart re-runs a streamed row from its first token (the same seeded
     tokens, reported again from one); that ended the stream with `aborted_by_weight_update` after any re-run."""
-    from rollout.server.choices import Detokenizer, Diverged, StreamedChoice
+    from rollout.server.rollouts.choices import Detokenizer, Diverged, StreamedChoice
 
     ids = tok.encode("the cat is on the mat and the dog is not")
     state, sent = StreamedChoice(0, Detokenizer(tok)), []
@@ -219,23 +172,6 @@ def test_streamed_chunks_add_up_to_the_same_completion(served):
         assert text[c.index] == c.message.content and ids[c.index] == c.model_extra["token_ids"]
         assert lps[c.index] == [t.logprob for t in c.logprobs.content] and finish[c.index] == c.finish_reason
     assert usage.completion_tokens == whole.usage.completion_tokens
-
-
-def assert_alternatives_exact(model, prompt, ids, alternatives, k, temperature):
-    """Each position's alternatives ("token_id:<id>", logprob) are the k most likely tokens of a teacher-forced
-    log_softmax(logits / T), most likely first, each with its own logprob there. The bound is the engine's forward
-    against a plain one on this taught model (larger logits than the untaught one): the sampled tokens' own logprobs
-    of the request below are up to 1.2e-5 off at T = 0.8, its alternatives up to 1.7e-5; the untaught model's lists
-    meet 1e-5 (tests/test_worker.py). That they come from the sampled token's own log-softmax is checked bit for bit
-    by the caller."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1: -1].float()
-    reference = torch.log_softmax(logits / temperature, dim=-1)
-    assert len(alternatives) == len(ids) and all(len(a) == k for a in alternatives)
-    listed = torch.tensor([[int(name.removeprefix("token_id:")) for name, _ in a] for a in alternatives])
-    values = torch.tensor([[v for _, v in a] for a in alternatives])
-    assert float((values - reference.topk(k, dim=-1).values).abs().max()) <= 3e-5  # the k largest, in order
-    assert float((values - reference.gather(1, listed)).abs().max()) <= 3e-5  # each id's own logprob
 
 
 def test_top_logprobs_are_the_exact_alternatives_whole_streamed_and_in_completions(served, tok):
@@ -297,7 +233,7 @@ def test_a_call_of_valid_json_but_not_a_calls_shape_is_content_with_its_markup_a
     """A sampled call whose JSON parses but has no string name (or arguments that are not an object) is returned as
     content, not as a tool call the client could not send back (the server refuses such a message with a 400); the
     markup stays as the model wrote it and the reason comes with it."""
-    from rollout.server.chat import ChatFormat
+    from rollout.server.completions.chat import ChatFormat
 
     fmt = ChatFormat(tok)
     prompt = fmt.render(USER, [ADD])
@@ -396,8 +332,8 @@ def test_a_completions_prompt_refused_is_named_as_the_request_spelled_it(served)
 
 def test_a_400_names_the_parameter_from_the_errors_field_not_from_its_text():
     from rollout.base.errors import invalid
-    from rollout.server.errors import from_value_error
-    from rollout.server.service import API_NAMES
+    from rollout.server.transport.errors import from_value_error
+    from rollout.server.completions.service import API_NAMES
 
     located = from_value_error(invalid("max_new_tokens", 9, "too long", "shorten it", "prompt 0", 0), API_NAMES)
     assert (located.status, located.param) == (400, "max_tokens")  # rollout's name mapped to the request's
@@ -411,27 +347,9 @@ def test_a_400_names_the_parameter_from_the_errors_field_not_from_its_text():
     assert (unnamed.status, unnamed.param, unnamed.message) == (400, None, str(plain))
 
 
-def wait_until(condition, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return False
-
-
-def test_a_client_that_disconnects_cancels_its_request(served, monkeypatch):
-    from rollout.engine.upstream.runner import RolloutModelRunner
-
+def test_a_client_that_disconnects_cancels_its_request(served, slow_steps):
     worker, _, client = served
     engine = worker.engine
-    original = RolloutModelRunner._forward_process_and_sample
-
-    def slow(self, *args):  # 30 ms a step: the 900 tokens asked for would take ~30 s
-        time.sleep(0.03)
-        return original(self, *args)
-
-    monkeypatch.setattr(RolloutModelRunner, "_forward_process_and_sample", slow)
     impatient = client.with_options(timeout=1.0)
     start = time.monotonic()
     with pytest.raises(openai.APITimeoutError):
@@ -447,8 +365,6 @@ def test_a_client_that_disconnects_cancels_its_request(served, monkeypatch):
 
 
 def test_versions_after_an_update_that_lands_mid_stream(tiny_path, tok):
-    from test_async import gaps_by_version, perturbed
-
     v0, _ = load_tiny_model(tiny_path)
     v1, _ = load_tiny_model(tiny_path)
     v1.load_state_dict(perturbed(v0, 1))

@@ -1,6 +1,6 @@
-"""The RL control plane over HTTP (`rollout serve --admin`, rollout/server/admin.py), driven over loopback.
+"""The RL control plane over HTTP (`rollout serve --admin`, rollout/server/admin/routes.py), driven over loopback.
 
-Weights of version 1 are the tiny model's perturbed (test_async.perturbed); every logprob a response carries is checked
+Weights of version 1 are the tiny model's perturbed (conftest.perturbed); every logprob a response carries is checked
 against a plain teacher-forced forward of the weights of the version its token says made it.
 """
 
@@ -17,9 +17,8 @@ import openai
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import reference_logprobs
+from conftest import perturbed, reference_logprobs
 from safetensors.torch import save_file
-from test_async import perturbed
 
 import rollout
 from rollout import RolloutWorker, SamplingParams, WorkerConfig

@@ -12,7 +12,8 @@ import time
 
 import openai
 import pytest
-from test_serve import ADD, CALL, USER, assert_exact, chat, http, serving, tok  # noqa: F401  (tok: a fixture)
+from conftest import ADD, CALL, USER, assert_alternatives_exact, chat, http, serving, wait_until
+from conftest import assert_served_exact as assert_exact
 
 from rollout import SamplingParams
 from rollout.testing import load_tiny_model, teach
@@ -103,8 +104,6 @@ def test_a_function_call_round_trip_continues_the_sampled_tokens(served, tok):
 
 
 def test_top_logprobs_are_the_exact_alternatives(served):
-    from test_serve import assert_alternatives_exact
-
     worker, _, client = served
     r = respond(client, max_output_tokens=6, temperature=0.8, top_logprobs=3,
                 extra_body={"seed": 4, "ignore_eos": True, "return_tokens_as_token_ids": True})
@@ -115,19 +114,9 @@ def test_top_logprobs_are_the_exact_alternatives(served):
     assert_alternatives_exact(worker.model, r.model_extra["prompt_token_ids"], ids, alternatives, 3, 0.8)
 
 
-def test_a_client_that_leaves_a_stream_cancels_its_turn(served, monkeypatch):
-    from test_serve import wait_until
-
-    from rollout.engine.upstream.runner import RolloutModelRunner
-
+def test_a_client_that_leaves_a_stream_cancels_its_turn(served, slow_steps):
     worker, _, client = served
-    engine, original = worker.engine, RolloutModelRunner._forward_process_and_sample
-
-    def slow(self, *args):  # 30 ms a step: the 900 tokens asked for would take ~30 s
-        time.sleep(0.03)
-        return original(self, *args)
-
-    monkeypatch.setattr(RolloutModelRunner, "_forward_process_and_sample", slow)
+    engine = worker.engine
     start = time.monotonic()
     stream = respond(client, max_output_tokens=900, stream=True, extra_body={"ignore_eos": True})
     kinds = [next(stream).type for _ in range(5)]
@@ -214,8 +203,8 @@ def test_fields_with_no_meaning_here_are_refused_by_name(served):
 
 
 def test_text_format_and_reasoning_effort_reach_the_chat_path_in_its_shape_and_errors_in_the_responses_names():
-    from rollout.server.errors import bad_request
-    from rollout.server.turns import _chat_body, renamed
+    from rollout.server.transport.errors import bad_request
+    from rollout.server.responses.turns import _chat_body, renamed
 
     schema = {"type": "object", "properties": {"x": {"type": "integer"}}}
     chat = _chat_body({"model": "m", "text": {"format": {"type": "json_schema", "name": "x", "schema": schema,
@@ -232,8 +221,8 @@ def test_text_format_and_reasoning_effort_reach_the_chat_path_in_its_shape_and_e
 
 
 def test_reasoning_comes_out_as_a_reasoning_item_and_goes_back_in_as_the_turns_reasoning():
-    from rollout.server.chat import normalize
-    from rollout.server.items import messages_of, output_items
+    from rollout.server.completions.chat import normalize
+    from rollout.server.responses.items import messages_of, output_items
 
     call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 1}"}}
     message = {"role": "assistant", "reasoning_content": "think", "content": "so", "tool_calls": [call]}

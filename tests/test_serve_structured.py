@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 from conftest import reference_logprobs
-from test_serve import serving, tok  # noqa: F401 (tok: the chat tokenizer fixture)
+from conftest import serving
 
 from rollout.testing import load_tiny_model
 

@@ -18,7 +18,7 @@ from conftest import reference_logprobs
 
 import rollout
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
-from rollout.server.limits import RequestLimits
+from rollout.server.transport.limits import RequestLimits
 from rollout.testing import build_chat_tokenizer, load_tiny_model
 
 TOL = 1e-5

@@ -14,7 +14,7 @@ import sys
 
 from ..base.config import WorkerConfig
 from ..base.speculation import Speculation
-from ..server.limits import FLAGS, RequestLimits
+from ..server.transport.limits import FLAGS, RequestLimits
 from .main import _sigterm_as_interrupt
 
 EPILOG = """\
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(error))
     try:
         from ..server import Server
-        from ..server.admin import check_admin_key
+        from ..server.admin.routes import check_admin_key
 
         if args.admin:  # before the model loads: a server beyond loopback needs the key
             check_admin_key(args.host, args.admin_key or args.api_key)

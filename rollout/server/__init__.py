@@ -4,20 +4,16 @@
     batch = server.take_episode(episode_id)                        # what an agent harness sampled, token-exact
 
 May import rollout's public modules (`batch`, `params`, `loading`, the worker's public API), fastapi, starlette and
-uvicorn (lazily: `rollout[serve]`); never the engine's internals, Ray or trainers_integration. Files, one concept
-each: `protocol.py` (request bodies, checked), `chat.py` (chat template in, parse_response out, episode
-continuations), `choices.py` (rows to choices: stop strings, streaming deltas), `responses.py` (response and chunk
-bodies), `backend.py` (the rollout side seen from the event loop), `episodes.py` (episode recording, segments),
-`service.py` (one request, start to end), `prompts.py` (prompt logprobs, teacher-forced by the rollout side's
-`score`), `tokens.py` (vLLM's token-in/token-out endpoints), `turns.py` (a Responses API request, read as the chat
-request it runs as), `items.py` (Responses items and tools in chat shapes, and back), `replies.py` (the Responses
-object and its events), `store.py` (the responses kept for `previous_response_id`), `limits.py` (how much one
-request may ask), `app.py` (the FastAPI routes), `admin.py` and `transfer.py` (the RL control plane, only with
-`--admin`: pause, sleep, weight updates, and where their tensors come from), `server.py` (the handle and `serve`),
-`errors.py` (OpenAI's error shape). Docs: docs/serve.md.
+uvicorn (lazily: `rollout[serve]`); never the engine's internals, Ray or trainers_integration. Grouped by the API
+each part serves, every subpackage importing only the ones below it (tests/test_layout.py checks both):
+`transport/` (OpenAI's error shape, request limits and the JSON body), `rollouts/` (the rollout side as the event
+loop sees it, rows to choices, episode recording), `completions/` (Chat Completions, Completions, and vLLM's
+token-in/token-out endpoints), `responses/` (the Responses API and its store), `admin/` (the RL control plane, only
+with `--admin`: pause, sleep, weight updates, and where their tensors come from). On top: `app.py` (the FastAPI
+routes of every API) and `server.py` (the handle and `serve`). Docs: docs/serve.md.
 """
 
-from .episodes import EpisodeBatch, EpisodeRecorder
+from .rollouts.episodes import EpisodeBatch, EpisodeRecorder
 from .server import Server, serve
 
 __all__ = ["EpisodeBatch", "EpisodeRecorder", "Server", "serve"]

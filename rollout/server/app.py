@@ -4,13 +4,13 @@
     GET  /v1/models              the one model served (and GET /v1/models/{id}: its card)
     POST /v1/chat/completions    chat.completion, or server-sent chunks with "stream": true
     POST /v1/completions         text_completion, likewise
-    POST /v1/responses           a response, or its events with "stream": true (turns.py, replies.py); GET and
-                                 DELETE /v1/responses/{id}: a stored one (store.py)
-    POST /inference/v1/generate  token ids in, token ids out (vLLM's shape: tokens.py)
+    POST /v1/responses           a response, or its events with "stream": true (responses/turns.py, responses/replies.py); GET and
+                                 DELETE /v1/responses/{id}: a stored one (responses/store.py)
+    POST /inference/v1/generate  token ids in, token ids out (vLLM's shape: completions/tokens.py)
     POST /tokenize, /detokenize  the served tokenizer (vLLM's shapes)
 
-Every error is OpenAI's shape (errors.ApiError), unknown routes and unexpected failures included: one request never
-takes the server down; every body is read within the server's RequestLimits (limits.py). With an API key, every
+Every error is OpenAI's shape (transport.errors.ApiError), unknown routes and unexpected failures included: one request never
+takes the server down; every body is read within the server's RequestLimits (transport/limits.py). With an API key, every
 route but /health needs `Authorization: Bearer KEY` (401 otherwise). A client that
 disconnects cancels its request: nothing of it keeps running in the engine.
 """
@@ -27,13 +27,14 @@ from fastapi import Depends, FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from . import replies, tokens
-from .errors import ApiError
-from .limits import read_json
-from .protocol import parse
-from .service import Service
-from .store import ResponseStore
-from .turns import turn_of
+from .completions import tokens
+from .completions.protocol import parse
+from .completions.service import Service
+from .responses import replies
+from .responses.store import ResponseStore
+from .responses.turns import turn_of
+from .transport.errors import ApiError
+from .transport.limits import read_json
 
 
 def build_app(service: Service, api_key: str | None = None, policy_version=lambda: 0) -> FastAPI:

@@ -18,12 +18,12 @@ from collections.abc import Sequence
 
 from ..base.rollouts import Rollouts, request_limit
 from ..model.loading import pad_token_id
-from .backend import backend_for
-from .chat import ChatFormat
-from .episodes import EpisodeBatch, EpisodeRecorder
-from .limits import RequestLimits
-from .prompts import PromptScorer
-from .service import Limits, Service
+from .completions.chat import ChatFormat
+from .completions.prompts import PromptScorer
+from .completions.service import Limits, Service
+from .rollouts.backend import backend_for
+from .rollouts.episodes import EpisodeBatch, EpisodeRecorder
+from .transport.limits import RequestLimits
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
 KEEP_ALIVE_S = 75  # seconds an idle client connection stays open
@@ -33,14 +33,14 @@ class Server:
     """host / port: where to listen (loopback by default; port 0 picks a free one, see `port`). api_key: when set,
     /v1/* needs `Authorization: Bearer <api_key>`. model_name: the name clients pass as `model` (default: the
     checkpoint directory's name, else the model's `name_or_path`). limits: how much one request may ask
-    (RequestLimits: n, prompts, stop strings, JSON nesting). admin: mount the RL control plane (admin.py: pause,
+    (RequestLimits: n, prompts, stop strings, JSON nesting). admin: mount the RL control plane (admin/routes.py: pause,
     sleep, weight updates; off by default), behind `admin_key` (else `api_key`); a key is required beyond loopback."""
 
     def __init__(self, rollouts: Rollouts, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | None = None,
                  model_name: str | None = None, log_level: str = "warning",
                  limits: RequestLimits | None = None, admin: bool = False, admin_key: str | None = None) -> None:
         uvicorn = _import("uvicorn")
-        from . import admin as control_plane
+        from .admin import routes as control_plane
         from .app import build_app
 
         if admin:
@@ -131,7 +131,7 @@ def serve(rollouts: Rollouts, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT
           model_name: str | None = None, *, max_n: int = 128, max_prompts: int = 2048, max_stop: int = 64,
           max_json_depth: int = 64, admin: bool = False, admin_key: str | None = None) -> Server:
     """Serve `rollouts` (a RolloutWorker or RolloutFleet) over OpenAI's HTTP API on a background thread. The max_*
-    bound one request (RequestLimits; a request past one is a 400 naming it); `admin`: the control plane (admin.py)."""
+    bound one request (RequestLimits; a request past one is a 400 naming it); `admin`: the control plane (admin/routes.py)."""
     limits = RequestLimits(max_n, max_prompts, max_stop, max_json_depth)
     return Server(rollouts, host, port, api_key, model_name, limits=limits, admin=admin, admin_key=admin_key).start()
 

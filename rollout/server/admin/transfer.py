@@ -1,4 +1,4 @@
-"""Where an admin weight update's tensors come from (admin.py): a checkpoint directory on the server's disk, or a
+"""Where an admin weight update's tensors come from (routes.py): a checkpoint directory on the server's disk, or a
 trainer's torch.distributed group. Both stage every tensor on this side; the rollout side's `update_weights` then
 validates them all (names, shapes, finite values) before any weight changes.
 """
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .errors import ApiError, bad_request
+from ..transport.errors import ApiError, bad_request
 
 GROUP_TIMEOUT_S = 300
 INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size", "backend", "timeout_s")

@@ -21,10 +21,10 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from .errors import ApiError, bad_request
+from ..transport.errors import ApiError, bad_request
+from .bodies import chat_logprobs, extensions, usage
 from .prompts import vllm_prompt_logprobs
 from .protocol import Request, messages_of, parse
-from .responses import chat_logprobs, extensions, usage
 from .service import Prepared, Service
 
 GENERATE = {"model", "token_ids", "sampling_params", "request_id", "stream", "cache_salt", "priority", "episode_id"}

@@ -26,17 +26,19 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
 from fastapi import Depends, FastAPI, Query, Request
 
-from ..base.errors import invalid
-from .errors import ApiError, bad_request, from_value_error
-from .limits import RequestLimits, read_json
+from ...base.errors import invalid
+from ..transport.errors import ApiError, bad_request, from_value_error
+from ..transport.limits import RequestLimits, read_json
 from .transfer import WeightReceiver, known_fields, parse_update_info, read_checkpoint
 
+LOG = logging.getLogger("rollout")
 PAUSE_MODES = ("abort", "wait", "keep")  # vLLM's; the worker also has "recompute", which only an update can mean
 UPDATE = ("version", "in_flight")  # what every update body may add to its source
 SGLANG = ("weight_version", "abort_all_requests", "flush_cache")  # /update_weights_from_disk's fields that mean here
@@ -47,7 +49,8 @@ def is_loopback(host: str) -> bool:
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
-    except ValueError:
+    except ValueError as error:  # a host name, not an address: not known to be loopback
+        LOG.debug("admin host %r is not an IP address (%s): taken as beyond loopback", host, error)
         return False
 
 

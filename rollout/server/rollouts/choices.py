@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..base.batch import Row
+from ...base.batch import Row
 
 Top = tuple[list[int], list[float]]  # one position's alternatives: token ids and their logprobs, most likely first
 

@@ -31,10 +31,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..base.params import MAX_TOP_LOGPROBS
-from .errors import bad_request
+from ...base.params import MAX_TOP_LOGPROBS
+from ..transport.errors import bad_request
+from ..transport.limits import RequestLimits
 from .formats import Format
-from .limits import RequestLimits
 
 # Controls other servers take that this one cannot apply per request: accepted only at these values.
 NEUTRAL = {"best_of": (1,), "echo": (False,), "suffix": ("",), "parallel_tool_calls": (True,), "store": (False,),

@@ -2,7 +2,7 @@
 
     turn = turn_of(service, store, body, headers)   # every check done (400s naming the Responses field)
 
-A Responses body is translated into a chat body and checked by the chat path's own parser (protocol.py), so the
+A Responses body is translated into a chat body and checked by the chat path's own parser (completions/protocol.py), so the
 sampling fields, limits and refusals are the chat path's; an error names the field as the Responses body spells it
 (`max_output_tokens`, `input`, `text.format`, ...). The messages are `instructions` (a system message), the stored
 conversation of `previous_response_id` (its instructions left out, as OpenAI does), then `input` (items.py). The
@@ -21,11 +21,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .chat import normalize
-from .errors import ApiError, bad_request
+from ..completions.chat import normalize
+from ..completions.protocol import Request, parse
+from ..completions.service import Prepared, Service, rendered_tools
+from ..transport.errors import ApiError, bad_request
 from .items import chat_tool_choice, chat_tools, messages_of
-from .protocol import Request, parse
-from .service import Prepared, Service, rendered_tools
 from .store import ResponseStore, StoredResponse
 
 LOGPROBS = "message.output_text.logprobs"

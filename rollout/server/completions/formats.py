@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..base.errors import InvalidArgument
-from ..base.structured import Structured
-from .errors import bad_request
+from ...base.errors import InvalidArgument
+from ...base.structured import Structured
+from ..transport.errors import bad_request
 
 FORMATS = ("text", "json_object", "json_schema")
 SCHEMA_FIELDS = {"name", "description", "schema", "strict"}

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .choices import Choice, Delta, Detokenizer, Top
+from ..rollouts.choices import Choice, Delta, Detokenizer, Top
 from .prompts import PromptScores, echo_logprobs, joined, vllm_prompt_logprobs
 from .protocol import Request
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from .errors import bad_request
+from ..transport.errors import bad_request
 
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text")
@@ -127,7 +127,7 @@ def chat_tools(tools: Any) -> list[dict] | None:
                               "\"parameters\": {...}}) and run them in the client")
         if not isinstance(tool.get("name"), str) or not tool["name"]:
             raise bad_request(f"tools[{i}].name", "a function tool needs a name")
-        # `strict` is not the template's to render; arguments are constrained only when a call is forced (formats.py)
+        # `strict` is not the template's to render; arguments are constrained only when a call is forced (completions/formats.py)
         function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
         out.append({"type": "function", "function": function})
     return out or None

@@ -21,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from .choices import Detokenizer
-from .errors import from_value_error
+from ..rollouts.choices import Detokenizer
+from ..transport.errors import from_value_error
 
 
 @dataclass(frozen=True)

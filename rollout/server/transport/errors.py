@@ -8,7 +8,7 @@ rollout's errors do. Raised anywhere while a request is parsed or run; the app t
 
 from __future__ import annotations
 
-from ..base.errors import InvalidArgument
+from ...base.errors import InvalidArgument
 
 INVALID = "invalid_request_error"
 

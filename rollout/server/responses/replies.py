@@ -3,7 +3,7 @@
     body = await complete(service, store, turn, generation)        # the response object (stored unless store=false)
     async for event in events(service, store, turn, generation):   # "event: <type>\\ndata: {...}\\n\\n" strings
 
-The turn runs as one chat choice (service.py: the same engine call, stop strings, tool parsing and episode recording
+The turn runs as one chat choice (completions/service.py: the same engine call, stop strings, tool parsing and episode recording
 as Chat Completions); its assistant message becomes output items (items.py). Status is "completed", or "incomplete"
 with `incomplete_details.reason: "max_output_tokens"` when the token budget (or the context) cut it. `usage` counts
 every token sampled. Extensions, unless `return_token_ids: false`: `prompt_token_ids`, `token_ids`, `token_versions`,
@@ -13,7 +13,7 @@ wrote (its markup is then the message's text).
 
 Streaming sends OpenAI's events, each with a `sequence_number`: `response.created`, `response.in_progress`; the
 message item's `output_item.added` and `content_part.added` when its first text comes, `output_text.delta` as text
-comes (with tools, until a call begins: chat.ContentStream), then `output_text.done`, `content_part.done`,
+comes (with tools, until a call begins: completions.chat.ContentStream), then `output_text.done`, `content_part.done`,
 `output_item.done`; per call `output_item.added`, `function_call_arguments.delta` (the whole arguments: they are
 parsed once the call is closed) and `.done`, `output_item.done`; last `response.completed` (or `response.incomplete`)
 with the whole response.
@@ -26,11 +26,11 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from .choices import Choice, Diverged, StreamedChoice
-from .errors import ApiError
+from ..completions.bodies import chat_logprobs
+from ..completions.service import Service
+from ..rollouts.choices import Choice, Diverged, StreamedChoice
+from ..transport.errors import ApiError
 from .items import message_item, new_id, output_items, responses_tools, text_part
-from .responses import chat_logprobs
-from .service import Service
 from .store import ResponseStore
 from .turns import Turn
 

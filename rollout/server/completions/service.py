@@ -23,16 +23,16 @@ from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from typing import Any
 
-from ..base.params import SamplingParams
-from .backend import Generation
+from ...base.params import SamplingParams
+from ..rollouts.backend import Generation
+from ..rollouts.choices import Choice, Detokenizer, Diverged, StreamedChoice, choice_of
+from ..rollouts.episodes import EpisodeRecorder
+from ..transport.errors import ApiError, bad_request, from_value_error
+from ..transport.limits import RequestLimits
+from .bodies import Chunks, chat_response, completion_response
 from .chat import ChatFormat, ContentStream, normalize, same_message
-from .choices import Choice, Detokenizer, Diverged, StreamedChoice, choice_of
-from .episodes import EpisodeRecorder
-from .errors import ApiError, bad_request, from_value_error
-from .limits import RequestLimits
 from .prompts import PromptScorer, PromptScores
 from .protocol import Request
-from .responses import Chunks, chat_response, completion_response
 
 API_NAMES = {"max_new_tokens": "max_tokens", "prompt": "prompt_token_ids",  # rollout's field -> the request's
              "min_new_tokens": "min_tokens"}

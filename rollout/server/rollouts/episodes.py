@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..base.batch import RolloutBatch, Row
+from ...base.batch import RolloutBatch, Row
 from .choices import Choice
 
 

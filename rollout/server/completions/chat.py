@@ -21,12 +21,15 @@ to an assistant message through its own `parse_response`.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import uuid
 from typing import Any
 
-from .choices import IncrementalText
-from .errors import bad_request
+from ..rollouts.choices import IncrementalText
+from ..transport.errors import bad_request
+
+LOG = logging.getLogger("rollout")
 
 
 class ChatFormat:
@@ -87,7 +90,9 @@ class ChatFormat:
             user = [{"role": "user", "content": "hi"}]
             head = self.render(user, None)
             both = self.render(user + [{"role": "assistant", "content": "ok"}], None, add_generation_prompt=False)
-        except Exception:
+        except Exception as error:  # a template that cannot render a one-turn chat: no end of turn to stop on
+            LOG.warning("the chat template could not render a one-turn chat (%s: %s): chat requests stop on the "
+                        "model's EOS only", type(error).__name__, error)
             return ()
         if both[: len(head)] != head:
             return ()
@@ -250,8 +255,8 @@ def _template_call(call: Any, index: int) -> dict:
     if isinstance(arguments, str):  # OpenAI sends a JSON string; templates render an object
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
-            pass
+        except json.JSONDecodeError as error:  # not JSON: the template renders the string as the client sent it
+            LOG.debug("messages[%d]: a tool call's arguments are not JSON (%s): rendered as the string", index, error)
     out = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
     if call.get("id") is not None:
         out["id"] = call["id"]

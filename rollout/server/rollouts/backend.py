@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..base.batch import RolloutBatch
-from ..base.params import SamplingParams
-from ..base.rollouts import Rollouts
-from ..model.loading import pad_token_id
+from ...base.batch import RolloutBatch
+from ...base.params import SamplingParams
+from ...base.rollouts import Rollouts
+from ...model.loading import pad_token_id
+
+LOG = logging.getLogger("rollout")
 
 # prompt index, sample index, ids, logprobs, versions, top lists (None unless asked): a streamed row so far
 Progress = tuple[int, int, list[int], list[float], list[int], list | None]
@@ -79,8 +82,8 @@ class Generation:
     def _on_loop(self, fn: Callable, *args) -> None:
         try:
             self.loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop is closed: the server is gone, nobody waits
-            pass
+        except RuntimeError as error:  # the loop is closed: the server is gone, nobody waits
+            LOG.debug("a generation's report after the server's event loop closed is dropped (%s)", error)
 
     def _deliver(self) -> None:
         with self._latest_lock:

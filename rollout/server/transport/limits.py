@@ -7,7 +7,7 @@ Every per-request quantity that holds the engine or the event loop in proportion
 here, so one request cannot take the server: `n` (rows sampled per prompt; OpenAI caps it at 128), the prompts of one
 completions request (rows again), the `stop` strings (each is searched in every streamed chunk), and the nesting of
 the JSON body (a body of 5,000 nested arrays would otherwise reach Python's recursion limit in the parser). The token
-counts are bounded by the context (service.Limits) and `top_logprobs` by MAX_TOP_LOGPROBS.
+counts are bounded by the context (completions.service.Limits) and `top_logprobs` by MAX_TOP_LOGPROBS.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ..base.errors import check_int
+from ...base.errors import check_int
 from .errors import bad_request
 
 FLAGS = {"max_n": "--max-n", "max_prompts": "--max-prompts", "max_stop": "--max-stop",

@@ -1,0 +1,8 @@
+"""Admin: the RL control plane over HTTP, mounted only with `rollout serve --admin` (`Server(admin=True)`): pause,
+sleep, weight updates, under vLLM's (and SGLang's) endpoint names.
+
+Files: `routes.py` (the routes, the key they need beyond loopback, and `Control`: each operation on the rollout side),
+`transfer.py` (where an update's tensors come from: a checkpoint directory, or a trainer's torch.distributed group).
+May import: torch, fastapi, `base` of rollout's folders and the server's `transport`; nothing of the serving APIs
+(tests/test_layout.py checks it).
+"""
