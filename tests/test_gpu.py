@@ -1,6 +1,6 @@
 """On a CUDA device (skipped elsewhere): exact rollouts with the engine's CUDA defaults, the same tokens with and
 without CUDA graphs, sleep returning the KV cache to the device, and fingerprints that do not depend on the device.
-benchmarks/gpu.sh runs this file on the GPU machine."""
+benchmarks/gpu/gpu.sh runs this file on the GPU machine."""
 
 from __future__ import annotations
 

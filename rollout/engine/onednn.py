@@ -118,7 +118,7 @@ def install() -> None:
 
 # Packed weights. oneDNN reads a weight in its own blocked layout; handed the plain [out, in] tensor, it reorders it on
 # every call. A copy packed once (torch.ops.mkldnn._reorder_linear_weight) saves that: 1.15x at 64 rows, 1.45x at 16 and
-# 2x at 4 on the 25M model's shapes (benchmarks/bench_kernels.py; RESULTS.md), with the same bits as the live weight
+# 2x at 4 on the 25M model's shapes (benchmarks/cpu_kernels/bench_kernels.py; RESULTS.md), with the same bits as the live weight
 # from 2 rows up. The copy costs the linear weights' memory once more. It is the weight's value when packed, so it is
 # packed again when the weight may have changed: its version counter or storage moved (an in-place op, a `copy_`, a new
 # tensor), or `weights_changed()` was called (the worker calls it on every refresh, update and adapter merge, which may
