@@ -4,7 +4,7 @@ drawn from the seed land at random times (actor kills, a Ray node kill and re-jo
 environments that raise / hang / answer garbage, client disconnects mid-stream, cancels, timeouts, sleep/wake,
 KV exhaustion, oversized and malformed requests); then an independent checker verifies the recorded history.
 
-    python benchmarks/fleet/chaos.py --minutes 5 --seed 1          # the recorded runs (benchmarks/RESULTS.md)
+    python benchmarks/fleet/chaos.py --minutes 5 --seed 1          # the recorded runs (benchmarks/results/chaos.md)
     python benchmarks/fleet/chaos.py --seconds 40 --seed 0         # what tests/test_chaos.py runs
     python benchmarks/fleet/chaos.py --check HISTORY.json          # check a recorded history again
 

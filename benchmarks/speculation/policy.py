@@ -16,7 +16,7 @@ snippets of the held-out files that start at a line, 48-128 tokens long.
 Cost: 16k tokens a step; ~0.7 s a step on a quiet 2-core box (150 steps in under 2 minutes plus ~10 s for the
 tokenizer), but 938 s for the 150 steps of the cached policy on this project's machine shared at load 9-12 (a run of
 500 steps there was stopped at step 150 after 15 minutes). At 150 steps the held-out loss is 5.78 nats per token: a
-weak policy (see benchmarks/RESULTS.md, "Speculation: draft acceptance offline").
+weak policy (see benchmarks/results/speculation.md, "Speculation: draft acceptance offline").
 """
 
 from __future__ import annotations
