@@ -134,7 +134,7 @@ def test_keep_switch_continues_on_old_kv_with_a_measurable_gap_and_never_reuses_
     assert all(set(batch.token_versions[r].tolist()) >= {0, 1} for r in range(len(batch)))
     gaps = gaps_by_version(models, batch)
     assert gaps[0] <= TOL  # tokens before the switch are exact
-    assert gaps[1] > 1e-3  # after it, attention still reads old-weight KV: approximate (measured in RESULTS.md)
+    assert gaps[1] > 1e-3  # after it, attention still reads old-weight KV: approximate (measured in benchmarks/results/async.md)
     # a new call with the same prompts must not match the old-weight pages the kept requests held
     again = worker.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True))
     assert gaps_by_version({1: models[1]}, again)[1] <= TOL
@@ -144,7 +144,7 @@ def test_a_keep_switch_mid_prefill_labels_every_token_new_over_the_old_weights_k
     """"keep" keeps the KV of every request in flight, a request still prefilling included: its first token is
     sampled by the new weights over prompt KV partly computed by the old ones (seed 2 of the chaos soak: 7 of 8
     prompt tokens prefilled by version 434, every token labelled 435 and 2.34 off it). The soak's checker excuses
-    exactly such rows (benchmarks/soak/checker.py)."""
+    exactly such rows (benchmarks/fleet/soak/checker.py)."""
     _, models = own
     prompt = prompts_of([400], seed=3)[0]
     with RolloutWorker(tiny_path, WorkerConfig(page_size=16, max_batch_tokens=16)) as worker:
@@ -223,7 +223,7 @@ def test_cancel_and_timeouts_release_everything_the_requests_held(own):
 
 @pytest.mark.parametrize("how", ["cancel", "abort"])
 def test_new_calls_run_after_every_preempted_call_is_cancelled_or_aborted(tiny_path, how):
-    """Found by benchmarks/chaos.py: upstream blocks new requests after a preemption until a running one finishes; when
+    """Found by benchmarks/fleet/chaos.py: upstream blocks new requests after a preemption until a running one finishes; when
     every running request was cancelled instead (cancels, or an "abort" update), nothing was ever scheduled again."""
     with RolloutWorker(tiny_path, WorkerConfig(page_size=16, num_blocks=24, max_batch_tokens=128)) as worker:
         params = SamplingParams(n=3, max_new_tokens=120, ignore_eos=True)

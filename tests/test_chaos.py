@@ -1,4 +1,4 @@
-"""The chaos soak (benchmarks/chaos.py): its checker catches each kind of broken promise in a recorded history, and a
+"""The chaos soak (benchmarks/fleet/chaos.py): its checker catches each kind of broken promise in a recorded history, and a
 short seeded run of the whole soak (2-node Ray cluster, fleet, served worker, every fault kind) passes it."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import torch
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
+FLEET = BENCHMARKS / "fleet"  # chaos.py and soak/
+sys.path.insert(0, str(FLEET))
 
 from soak.checker import Checker  # noqa: E402
 from soak.history import History, load, rows_of  # noqa: E402
@@ -193,7 +194,7 @@ def test_the_schedule_is_the_seeds_alone_and_has_every_kind_and_a_node_kill():
 def test_a_short_seeded_soak_finds_no_violation(tmp_path):
     """The whole soak, 20 s of faults (seed 25 draws 14 of the 15 kinds) plus start-up, drain and the checker: the
     same code as the long runs."""
-    cmd = [sys.executable, str(BENCHMARKS / "chaos.py"), "--seconds", "20", "--seed", "25", "--mean-gap", "1.0",
+    cmd = [sys.executable, str(FLEET / "chaos.py"), "--seconds", "20", "--seed", "25", "--mean-gap", "1.0",
            "--workdir", str(tmp_path), "--rows", "120", "--replays", "20"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCHMARKS.parent), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=580, env=env)

@@ -1,6 +1,6 @@
 """What the engine turns on for a CUDA device (rollout/engine/device/cuda.py), decided here on CPU for stand-in models that
 say they live on CUDA: the attention "auto" picks, the decode fast path's width, CUDA graphs and async batching. The
-paths themselves need a GPU: benchmarks/gpu.sh runs them (and this suite) there."""
+paths themselves need a GPU: benchmarks/gpu/gpu.sh runs them (and this suite) there."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """On a CUDA device (skipped elsewhere): exact rollouts with the engine's CUDA defaults, the same tokens with and
 without CUDA graphs, sleep returning the KV cache to the device, and fingerprints that do not depend on the device.
-benchmarks/gpu.sh runs this file on the GPU machine."""
+benchmarks/gpu/gpu.sh runs this file on the GPU machine."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from rollout.testing import load_tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-TOL = {torch.float32: 1e-4, torch.bfloat16: 0.15}  # fp32: reductions reorder across devices; bf16: see RESULTS.md
+TOL = {torch.float32: 1e-4, torch.bfloat16: 0.15}  # fp32: reductions reorder across devices; bf16: see benchmarks/results/exactness.md
 PARAMS = [SamplingParams(n=3, temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=5),
           SamplingParams(n=2, temperature=0.0, max_new_tokens=10),
           SamplingParams(n=2, temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=12, seed=6)]

@@ -135,7 +135,7 @@ def test_a_long_streamed_row_decodes_in_linear_time_and_cuts_where_the_whole_row
 
 
 def test_a_stream_re_run_from_its_first_token_sends_only_what_is_new_and_a_different_one_is_refused(tok):
-    """Found by benchmarks/chaos.py: an engine restart re-runs a streamed row from its first token (the same seeded
+    """Found by benchmarks/fleet/chaos.py: an engine restart re-runs a streamed row from its first token (the same seeded
     tokens, reported again from one); that ended the stream with `aborted_by_weight_update` after any re-run."""
     from rollout.server.rollouts.choices import Detokenizer, Diverged, StreamedChoice
 
@@ -319,7 +319,7 @@ def test_bad_requests_are_openai_errors_and_submit_nothing(served):
 
 
 def test_a_completions_prompt_refused_is_named_as_the_request_spelled_it(served):
-    """Found by benchmarks/chaos.py: a completions request with prompt_token_ids got 400s naming `prompt`."""
+    """Found by benchmarks/fleet/chaos.py: a completions request with prompt_token_ids got 400s naming `prompt`."""
     _, server, _ = served
     cases = [({"prompt_token_ids": [1, 99999]}, "prompt_token_ids"),
              ({"prompt_token_ids": [7] * 1100}, "prompt_token_ids"),  # past the 1024-token context

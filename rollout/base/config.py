@@ -90,7 +90,7 @@ class WorkerConfig:
     merge_adapters: for a model carrying LoRA adapters (PEFT), fold them into the base weights while a generate call
         runs and restore the base bytes exactly after it (rollout.model.adapters.merged). On by default: measured
         1.12-1.27x the unmerged generation speed (about that of the base model alone), the merge + restore included
-        (benchmarks/RESULTS.md, "LoRA"). Costs a second copy of the targeted base weights while a call runs, and
+        (benchmarks/results/lora.md, "LoRA"). Costs a second copy of the targeted base weights while a call runs, and
         fp32 rounding of W + BA instead of Wx + B(Ax) (the trainer/rollout gap measured ~2x the unmerged one, still
         ~1e-5 on the test model): turn it off when that memory is not there. No effect without adapters.
     record_routing: for a mixture-of-experts model, record the experts the engine's forward chose for every position

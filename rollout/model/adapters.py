@@ -11,7 +11,7 @@ frozen base layer. Two things are specific to it:
   own `merge()`, so the forward skips the low-rank branches) and then puts every base tensor back *bit for bit*:
   `unmerge()` alone subtracts the delta again, which is not exact in floating point, so the original bytes are
   saved before the merge and copied back in place after it (addresses unchanged). Cost: one copy of the targeted
-  base weights while merged. Merging pays (benchmarks/bench_lora.py): RolloutWorker does it for every generate
+  base weights while merged. Merging pays (benchmarks/features/bench_lora.py): RolloutWorker does it for every generate
   call unless `WorkerConfig(merge_adapters=False)`.
 
 peft is imported only when a model actually carries adapters; nothing here is needed without it.

@@ -29,7 +29,7 @@ KERNEL_QUERY_TOKENS = 33
 # layer, not one per row (each a launch-bound call on a GPU). Each query token reads its row's keys again, so longer
 # rows (prefill chunks) keep one SDPA of their own. On a CPU without the kernel (bf16 caches, ROLLOUT_DECODE_KERNEL=0)
 # a row keeps its own SDPA: there, splitting it lost at 1-4 verify rows a step (the shared-prefix merge it brings)
-# and gained at 16-64 (benchmarks/RESULTS.md, "The first H200 run").
+# and gained at 16-64 (benchmarks/results/gpu.md, "The first H200 run").
 SDPA_QUERY_TOKENS = 9
 
 

@@ -3,7 +3,7 @@
 In eager mode transformers' `LlamaRMSNorm` is seven tensor ops (pow, sum, div, add, rsqrt, two products) and
 `apply_rotary_pos_emb` ten (four products, two negations, two cats, two sums), each a pass over memory with its own
 dispatch: at 128 rows of the 25M model ~25-40 us a norm and ~65-100 us a rotary, against 12-16 and 19-22 us fused
-(benchmarks/bench_kernels.py), 13 norms and 6 rotaries a forward. elementwise.c does each in one call with the same
+(benchmarks/cpu_kernels/bench_kernels.py), 13 norms and 6 rotaries a forward. elementwise.c does each in one call with the same
 roundings in the same order, including the order torch's CPU kernel sums a row (8-lane vectors and a cascade of
 accumulators), so the results are the same bits: nothing downstream, the exactness tests included, can tell the two
 paths apart.

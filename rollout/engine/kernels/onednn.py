@@ -2,7 +2,7 @@
 
 PyTorch's CPU build computes an fp32 `nn.Linear` with MKL's sgemm. MKL picks its kernels by CPU vendor: on AMD cores
 with AVX-512 it runs its AVX2 ones, at about half the machine's fp32 rate (measured on a 2-core EPYC: 190 GFLOP/s at
-128 x 512 x 1536, where oneDNN's AVX-512 kernels reach 450; RESULTS.md, "oneDNN linears"). oneDNN (also in every
+128 x 512 x 1536, where oneDNN's AVX-512 kernels reach 450; results/kernels.md, "oneDNN linears"). oneDNN (also in every
 torch CPU build, `torch.ops.mkldnn`) picks kernels by instruction set. `OneDNNLinears` is a context entered on the
 engine thread around its forward only (a thread-local flag read by the patched `nn.Linear.forward`), so the trainer's
 forward of the same shared model keeps torch's own kernels. Linears called as `F.linear` outside an `nn.Linear` (some
@@ -108,7 +108,7 @@ def linear(module: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor | None:
 
 # Packed weights. oneDNN reads a weight in its own blocked layout; handed the plain [out, in] tensor, it reorders it on
 # every call. A copy packed once (torch.ops.mkldnn._reorder_linear_weight) saves that: 1.15x at 64 rows, 1.45x at 16 and
-# 2x at 4 on the 25M model's shapes (benchmarks/bench_kernels.py; RESULTS.md), with the same bits as the live weight
+# 2x at 4 on the 25M model's shapes (benchmarks/cpu_kernels/bench_kernels.py; results/kernels.md), with the same bits as the live weight
 # from 2 rows up. The copy costs the linear weights' memory once more. It is the weight's value when packed, so it is
 # packed again when the weight may have changed: its version counter or storage moved (an in-place op, a `copy_`, a new
 # tensor), or `weights_changed()` was called (the worker calls it on every refresh, update and adapter merge, which may

@@ -5,7 +5,7 @@ that opens regions. The engine's forward runs on its own thread, so a process th
 thread (building the model, a training step) holds two pools. Once libgomp manages more threads than there are CPUs,
 it throttles every pool: a worker spins ~100 iterations after a region instead of ~300000, then sleeps on a futex,
 and each of the forward's next regions wakes it with a system call. Measured on a 2-core machine: a [128, 768] add on
-a second thread took 15-100 us with the first thread's pool alive and 7-8 us without it (benchmarks/bench_kernels.py,
+a second thread took 15-100 us with the first thread's pool alive and 7-8 us without it (benchmarks/cpu_kernels/bench_kernels.py,
 its "on a second thread" rows), and a whole forward has hundreds of such regions.
 
 `release_callers_pool()` releases the calling thread's pool (OpenMP 5.0's `omp_pause_resource_all`, soft: libgomp

@@ -6,7 +6,7 @@ finished request, per environment step or per weight update; nothing here runs p
 are counted by `list.count`, in C). Writers hold the engine's lock, or are the engine thread's own single-integer
 updates (`sampled`, `kv_step`, `preempted`); `Engine.metrics` copies them under the lock.
 
-`NullCounters` counts nothing: the benchmark's stubbed build (benchmarks/bench_rollout.py --metrics-ab) measures
+`NullCounters` counts nothing: the benchmark's stubbed build (benchmarks/throughput/bench_rollout.py --metrics-ab) measures
 what counting costs against it.
 """
 

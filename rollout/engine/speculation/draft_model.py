@@ -7,7 +7,7 @@ the row's tokens since are fed in one forward, then k tokens are decoded one at 
 Which token a draft position proposes: a greedy row's is the draft model's argmax. A sampled row's is either
 - the coupled draw: the row's own draw (sampler.py: its temperature, top-k, top-p, min-p, and its uniform at that
   position, by inverse CDF in vocabulary order) from the draft model's logits. The policy draws with the same
-  uniform, so where the two distributions are close both draws are the same token (benchmarks/draft_agreement.py,
+  uniform, so where the two distributions are close both draws are the same token (benchmarks/speculation/draft_agreement.py,
   the stdlib policy at T = 1: 64% of draws at total variation 0.06 against 39% for the argmax, 100% for the policy
   itself); but the CDFs are in vocabulary order, so a far draft (TV past ~0.3) agrees less often than its argmax
   does (12% against 16% at TV 0.65); or

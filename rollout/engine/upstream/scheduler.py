@@ -33,7 +33,7 @@ class RolloutScheduler(FIFOScheduler):
         # upstream's preemption sets block_new_requests (admit nothing new until the survivors make room) and only a
         # request that finishes clears it; when every running request is cancelled instead (an abort or recompute
         # fence, cancels, timeouts, clients gone), none ever finishes and the waiting requests were never admitted
-        # again: the engine idled with an empty cache (found by benchmarks/chaos.py). Nothing running: admit.
+        # again: the engine idled with an empty cache (found by benchmarks/fleet/chaos.py). Nothing running: admit.
         if self.block_new_requests and not self.active_requests:
             self.block_new_requests = False
         if self.verifier is not None:
