@@ -8,8 +8,9 @@ import torch
 from conftest import reference_logprobs
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
 from rollout.engine.kernels import decode_kernel
-from rollout.engine.attention import paged as attention, plan as plan_mod
-from rollout.engine.attention.paged import NAME
+from rollout.engine import attention
+from rollout.engine.attention import paged, plan as plan_mod
+from rollout.engine.upstream import NAME
 
 TOL = 1e-5
 
@@ -180,8 +181,8 @@ def test_a_plain_forward_under_rollout_paged_is_sdpa_padding_and_gradients_inclu
 def test_the_engine_allocates_no_dense_mask_and_builds_none_per_step(tiny, monkeypatch):
     model, _ = tiny
     calls = []
-    real_mask = attention.sdpa_mask
-    monkeypatch.setattr(attention, "sdpa_mask", lambda *a, **k: calls.append(1) or real_mask(*a, **k))
+    real_mask = paged.sdpa_mask
+    monkeypatch.setattr(paged, "sdpa_mask", lambda *a, **k: calls.append(1) or real_mask(*a, **k))
     with RolloutWorker(model, WorkerConfig(attn_implementation="sdpa")) as worker:  # the control: upstream's path
         io = worker.engine._manager.batch_processor.inputs_and_outputs
         assert io.attention_mask is not None and io.attention_mask["full_attention"].shape[-1] > 1000

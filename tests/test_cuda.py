@@ -11,7 +11,8 @@ import torch
 
 from rollout import WorkerConfig
 from rollout.engine.device import cuda, sizing
-from rollout.engine.attention.paged import NAME, resolve_attn_implementation
+from rollout.engine.attention import resolve_attn_implementation
+from rollout.engine.upstream import NAME
 
 
 def stand_in(device: str, attn: str, max_positions: int | None = 4096, dtype=torch.bfloat16):

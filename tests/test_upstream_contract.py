@@ -88,7 +88,7 @@ from rollout import RolloutWorker, SamplingParams, WorkerConfig
 from rollout.engine.attention import plan as plan_mod
 from rollout.engine import install
 from rollout.engine.upstream import HOOKS
-from rollout.engine.attention.paged import NAME
+from rollout.engine.upstream import NAME
 from rollout.engine.upstream.runner import OUTPUT_ROWS, RolloutModelRunner
 from rollout.engine.upstream.scheduler import RolloutScheduler
 from rollout.engine.upstream.state import history

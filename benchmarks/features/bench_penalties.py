@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import torch
 
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
-from rollout.engine.sampling import step
+from rollout.engine.sampling import step as sampling_step
 from rollout.engine.sampling.sampler import RowSpec, sample_rows
 from rollout.engine.sampling.slots import SlotTable
 from rollout.engine.sampling.streams import stream_key
@@ -52,7 +52,7 @@ class SamplerClock:
     """Time spent in the engine's `sample_rows` (sampling/step.py calls it once per step), wrapped while a run lasts."""
 
     def __init__(self) -> None:
-        self.seconds, self.calls, self.original = 0.0, 0, step.sample_rows
+        self.seconds, self.calls, self.original = 0.0, 0, sampling_step.sample_rows
 
     def __enter__(self) -> "SamplerClock":
         def timed(*args, **kwargs):
@@ -61,11 +61,11 @@ class SamplerClock:
             self.seconds += time.perf_counter() - start
             self.calls += 1
             return drawn
-        step.sample_rows = timed
+        sampling_step.sample_rows = timed
         return self
 
     def __exit__(self, *exc) -> None:
-        step.sample_rows = self.original
+        sampling_step.sample_rows = self.original
 
 
 def rollout_rates(args) -> dict[str, float]:

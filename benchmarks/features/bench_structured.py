@@ -22,7 +22,7 @@ import time
 import torch
 
 from rollout import RolloutWorker, SamplingParams, Structured, WorkerConfig
-from rollout.engine.sampling import step
+from rollout.engine.sampling import step as sampling_step
 from rollout.engine.sampling.grammar import Constraint, GrammarTable, constrain
 from rollout.testing import build_tiny_model, load_tiny_model
 
@@ -61,7 +61,7 @@ def params_for(name: str, n: int, tokens: int) -> list[SamplingParams]:
 
 
 def run(worker, prompts, name: str, n: int, tokens: int) -> dict:
-    with Timed(GrammarTable, "fill") as fill, Timed(step, "sample_rows") as sampler:
+    with Timed(GrammarTable, "fill") as fill, Timed(sampling_step, "sample_rows") as sampler:
         start = time.perf_counter()
         batch = worker.generate(prompts, params_for(name, n, tokens))
         seconds = time.perf_counter() - start

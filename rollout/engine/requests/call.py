@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import traceback
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field

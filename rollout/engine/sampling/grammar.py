@@ -97,9 +97,10 @@ class Matched:
 class GrammarTable:
     """The matchers of constrained slots and the step's masks (see the module docstring)."""
 
-    def __init__(self, device: torch.device, vocab_size: int) -> None:
+    def __init__(self, device: torch.device, vocab_size: int,
+                 grammars: Callable[[], Grammars | None] = lambda: None) -> None:
         self.device, self.vocab_size = device, vocab_size
-        self.grammars: Callable[[], Grammars | None] = lambda: None  # the engine's (set by its worker)
+        self.grammars = grammars  # the engine's compiler (its worker sets one before the first constrained row)
         self.stream = None  # the engine's compute stream, when it has one
         self._matched: dict[int, Matched] = {}
         self._host: torch.Tensor | None = None  # int32 [capacity, W]: the step's bitmasks, filled by the matchers

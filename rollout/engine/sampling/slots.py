@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from ...base.params import SamplingParams
-from .grammar import GrammarTable
+from .grammar import Grammars, GrammarTable
 from .penalties import Adjust, AdjustTable
 from ..upstream import history
 from .sampler import ALL, NONE, Passes, RowSpec, SamplingRows
@@ -53,14 +53,15 @@ def encode(spec: RowSpec, min_position: int = 0, adjust_row: int = 0) -> torch.T
 
 class SlotTable:
     def __init__(self, device: torch.device, capacity: int, spec_of: Callable[[str], RowSpec],
-                 is_live: Callable[[str], bool], vocab_size: int = 0) -> None:
+                 is_live: Callable[[str], bool], vocab_size: int = 0,
+                 grammars: Callable[[], Grammars | None] = lambda: None) -> None:
         self.device = device
         self.spec_of, self.is_live = spec_of, is_live
         self._stream = None
         self.on_grow: Callable[[], None] = lambda: None
         self.table = encode(DEFAULT).expand(capacity, WIDTH).clone().to(device)  # every row the default
         self.adjust = AdjustTable(device, vocab_size)
-        self.grammar = GrammarTable(device, vocab_size)  # constrained requests' matchers and each step's masks
+        self.grammar = GrammarTable(device, vocab_size, grammars)  # constrained requests' matchers and each step's masks
         self._slot_of: dict[str, int] = {}
         self._passes = [NONE] * capacity
         self._adjust_rows = [0] * capacity
