@@ -158,8 +158,8 @@ def test_the_trainer_thread_keeps_torchs_own_linear_while_the_engine_runs(normal
     assert all(torch.equal(d, before) for d in during)  # bit for bit: the trainer's kernels
 
 
-def _noise_inside_weight_update(model, worker, prompts) -> None:
-    with worker.weight_update() as bump:
+def _noise_inside_in_place_update(model, worker, prompts) -> None:
+    with worker.in_place_update() as bump:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.01)
@@ -174,7 +174,7 @@ def _fused_adamw_step_then_refresh(model, worker, prompts) -> None:
     worker.refresh()
 
 
-@pytest.mark.parametrize("change", [_noise_inside_weight_update, _fused_adamw_step_then_refresh],
+@pytest.mark.parametrize("change", [_noise_inside_in_place_update, _fused_adamw_step_then_refresh],
                          ids=["in-place-inside-weight-update", "fused-adamw-then-refresh"])
 def test_weights_changed_in_place_are_what_the_next_call_computes(normal_path, change):
     """The packed oneDNN weights follow the change: the next call is inside the rule of the new weights."""

@@ -262,8 +262,8 @@ class RolloutWorker:
         """The shared model's weights changed in place: fence, forget cached KV, bump the version. `in_flight`
         (default `WorkerConfig.in_flight`) says what happens to calls in flight: "wait", "abort", "recompute" or
         "keep" (docs/async.md). With a shared model, change its weights only when nothing is in flight, or inside
-        `weight_update()`, so that no forward runs while they change."""
-        with self.weight_update(version, in_flight) as bump:
+        `in_place_update()`, so that no forward runs while they change."""
+        with self.in_place_update(version, in_flight) as bump:
             return bump()
 
     def update_weights(self, weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
@@ -273,14 +273,14 @@ class RolloutWorker:
         weights_mod.check_version(version)
         plan = weights_mod.plan_update(self.model, weights, full=full)
         written = [dst for dst, _ in plan.copies]
-        with self.weight_update(version, in_flight, written) as bump:
+        with self.in_place_update(version, in_flight, written) as bump:
             weights_mod.apply_update(plan)
             if full:
                 self._half_updated = None
             return bump()
 
     @contextlib.contextmanager
-    def weight_update(self, version: int | None = None, in_flight: str | None = None,
+    def in_place_update(self, version: int | None = None, in_flight: str | None = None,
                       written: Iterable[torch.Tensor] | None = None):
         """Change the weights in place inside this block (e.g. a shared model's `optimizer.step()`): no forward runs
         meanwhile, what is in flight is handled by `in_flight`, and the version is bumped (to `version`, or + 1)
@@ -315,7 +315,7 @@ class RolloutWorker:
         them (update_weights holds an extra copy of the weights). Rollouts never see a half-updated model (one fence
         for all buckets), but a bucket that fails, or a stream that breaks, leaves the earlier ones applied: the
         worker then refuses to generate until a full update succeeds."""
-        with self.weight_update(version, in_flight) as bump:
+        with self.in_place_update(version, in_flight) as bump:
             try:
                 seen = weights_mod.apply_by_bucket(self.model, buckets)
                 if full:

@@ -17,7 +17,7 @@ from collections import defaultdict
 import torch
 
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
-from rollout.engine.engine import SEEDED  # the first word of a seeded row's stream key
+from rollout.engine.delivery import SEEDED  # the first word of a seeded row's stream key
 from rollout.engine.sampling.streams import stream_key, uniform_reference
 
 TOL = 2e-5  # fp32's floor on these rows (checker.py)

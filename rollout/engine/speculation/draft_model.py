@@ -101,7 +101,7 @@ class DraftModel:
     def pick(self, logits: torch.Tensor, sampling: RowSpec | None, position: int) -> tuple[int, int]:
         """(coupled draw, argmax) of the draft model's logits (V,) for a row's draw at `position`: the draw is the
         row's own (its temperature, truncation and min-p, and its uniform at `position`), the argmax where
-        `sampling` is None. Rows the speculator drafts for have no penalties, bias or grammar (core.py)."""
+        `sampling` is None. Rows the speculator drafts for have no penalties, bias or grammar (delivery.py, `_draftable`)."""
         logits = logits[: self.policy_vocab].float()
         argmax = int(logits.argmax())
         if sampling is None:

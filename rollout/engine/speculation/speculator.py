@@ -1,6 +1,6 @@
 """Speculator: which decoding requests the engine drafts for, how many tokens, from which source, and what came of it.
 
-The verify mechanics live in upstream/verify.py; this is the engine's side of it, on the engine thread:
+The verify step's mechanics live in verifier.py; this is the engine's side of it, on the engine thread:
 - `propose(state)`: a decoding request's draft tokens for the step being scheduled. Drafted: requests whose sampling
   does not depend on their own earlier tokens within a step (no penalties, logit bias or min_new_tokens: their
   adjustments are counted once per step on the device; no grammar: its matcher advances once per step), with at
@@ -273,7 +273,7 @@ class Speculator:
         return cls(spec, DraftIndex(spec, draft_model), eligible, on_row, sampling)
 
     def verifier(self) -> Verifier:
-        """The hooks a new manager's scheduler, runner and processor call (upstream/verify.py)."""
+        """The verifier a new manager's scheduler, runner and processor are handed (verifier.py)."""
         self._verifier = Verifier(propose=self.propose, on_verified=self.verified, begin=self.begin,
                                   on_step=self.timed)
         return self._verifier

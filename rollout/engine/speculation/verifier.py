@@ -2,7 +2,7 @@
 one forward, every one of those k + 1 positions is sampled by the counter-based sampler, the drafts are kept while
 each equals the token sampled before it, and the rest is rolled back.
 
-A row's uniform at a position is a hash of its key and that position (streams.py) and its token is drawn by inverse
+A row's uniform at a position is a hash of its key and that position (sampling/streams.py) and its token is drawn by inverse
 CDF from the logits at that position, so a draft is kept exactly when it *is* the token plain decoding would have
 drawn there: the emitted tokens are the first sample, then each further sample while the draft before it matched, up
 to a stop id (the k + 1-th sample when every draft matched). Speculation changes the cost, never a token, and every
@@ -11,15 +11,20 @@ emitted token's logprob comes from the forward that verified it (the weights of 
 The pieces, one step's life:
 - scheduling (`RolloutScheduler._infer_request_tokens`): a decoding request the engine drafts for (`propose`) is
   given `[its next token] + drafts` to process; the step's token budget may trim the drafts;
-- inputs (`RowSlotArgs.prepare_tensor_args` -> `Verifier.plan`): the logits rows to compute (each sampling row's
-  first position, then every verify row's draft positions) and their slots; the model computes logits only there;
-- read-back (`RolloutIOs.prepare_batch_update` -> `Verifier.accept`): per verify row, the tokens it emits and their
-  logprobs; the first goes back through upstream's own update, the others are appended after it;
-- update (`RolloutProcessor.update_batch` -> `Verifier.settle`): the extra tokens appended (stopping where the
+- inputs (`RowSlotArgs.prepare_tensor_args` -> `StepSampler.prepare` -> `Verifier.plan`): the logits rows to compute
+  (each sampling row's first position, then every verify row's draft positions) and their slots, returned as the
+  step's `Plan` (carried in its `StepChoice`); the model computes logits only there;
+- read-back (`RolloutIOs.prepare_batch_update` -> `StepSampler.accept` -> `Verifier.accept`, under that step's plan):
+  per verify row, the tokens it emits and their logprobs; the first goes back through upstream's own update, the
+  others are appended after it;
+- update (`upstream/processor.py`, `RolloutProcessor.update_batch` -> `Verifier.settle`): the extra tokens appended
+  (stopping where the
   request finishes), the request's position moved back to what it really holds, the pages past it freed, and only
   then the pages its kept tokens completed hashed for the prefix cache. Nothing of a rejected draft is ever hashed,
   and no page allocated for one is kept.
-Sync steps only (no async batching: the next step's inputs depend on this one's acceptance).
+Sync steps only (no async batching: the next step's inputs depend on this one's acceptance). Upstream's scheduler,
+runner and processor are handed the verifier at construction; the pages a rollback frees are counted by
+`upstream.release_pages_past` / `complete_blocks` (the cache allocators' internals stay in upstream/).
 """
 
 from __future__ import annotations
