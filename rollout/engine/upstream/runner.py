@@ -173,7 +173,7 @@ class RolloutIOs(ContinuousBatchingIOs):
     def prepare_batch_update(self):
         # the choice of the step read back: under async batching the next step's inputs may be prepared already, but
         # those steps never verify (sync steps only), so their choice reads back one column per row all the same
-        step, sampling = self.row_args.choice, self.row_args.sampling
+        step, sampler = self.row_args.choice, self.row_args.sampling
         columns_of_step = None if step is None else step.num_columns
         count = self.num_request_in_batch if columns_of_step is None else columns_of_step
         outputs = self.output_ids[:, :count].cpu()  # the step's one read-back (a no-op copy on CPU)
@@ -185,7 +185,7 @@ class RolloutIOs(ContinuousBatchingIOs):
                 if future.state.status not in DROPPED:
                     # a verify row emits one token or more (speculation/verifier.py): each recorded in order
                     emitted = [row] if columns_of_step is None else \
-                        sampling.accept(step, future.state.request_id, stop_ids(future.state), row, tokens, logprobs)
+                        sampler.accept(step, future.state.request_id, stop_ids(future.state), row, tokens, logprobs)
                     for column in emitted:
                         ids.append(future.state.request_id)
                         values.append(sampling[column])
