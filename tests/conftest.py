@@ -131,11 +131,18 @@ def wait_for_tokens(worker, at_least: int, timeout: float = 30.0) -> None:
     """Until every in-flight request has sampled `at_least` tokens (so a switch now lands mid-generation)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        counts = [len(v) for v in list(worker.engine._requests.ledger.versions.values())]
+        # the requests that have sampled tokens (those waiting to be scheduled have none yet)
+        counts = [n for n in worker.engine.in_flight().requests.values() if n]
         if counts and min(counts) >= at_least:
             return
         time.sleep(0.001)
     raise AssertionError("the requests never got going")
+
+
+def settled(engine) -> bool:
+    """No engine request in flight, no ledger entry kept and no call unsettled (one `Engine.in_flight` snapshot)."""
+    state = engine.in_flight()
+    return not state.requests and state.ledger_entries == 0 and state.calls == 0
 
 
 def wait_until(condition, timeout: float = 20.0) -> bool:

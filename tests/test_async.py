@@ -10,7 +10,7 @@ from concurrent.futures import CancelledError
 import pytest
 import torch
 
-from conftest import Slowish, gaps_by_version, perturbed, prompts_of, reference_logprobs, wait_for_tokens
+from conftest import Slowish, gaps_by_version, perturbed, prompts_of, reference_logprobs, settled, wait_for_tokens
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
 
 TOL = 1e-5
@@ -96,7 +96,7 @@ def test_an_update_lands_when_the_engine_thread_dies_while_its_pause_is_asked_fo
     worker, models = own
     future = worker.submit(prompts_of([5, 23]), SamplingParams(n=2, max_new_tokens=60, ignore_eos=True))
     wait_for_tokens(worker, 4)
-    status, original = worker.engine._manager.background_thread_status, RolloutModelRunner._forward_process_and_sample
+    status, original = worker.engine.manager.background_thread_status, RolloutModelRunner._forward_process_and_sample
     stepping, died = threading.Event(), threading.Event()
 
     def dies_once_a_pause_is_asked_for(self, *args):  # the step under way when the update asks for the pause
@@ -122,7 +122,8 @@ def test_an_update_lands_when_the_engine_thread_dies_while_its_pause_is_asked_fo
         assert (v[1:] >= v[:-1]).all() and set(v.tolist()) <= {0, 1}
     gaps = gaps_by_version(models, batch)
     assert all(gap <= TOL for gap in gaps.values()) and 1 in gaps, gaps
-    assert worker.engine._requests.idle()
+    state = worker.engine.in_flight()
+    assert not state.requests and not state.reruns  # idle: nothing in flight, nothing to re-run
 
 def test_keep_switch_continues_on_old_kv_with_a_measurable_gap_and_never_reuses_it(own):
     worker, models = own
@@ -161,7 +162,7 @@ def test_a_keep_switch_mid_prefill_labels_every_token_new_over_the_old_weights_k
 
 def prefilled(worker) -> int:
     """Prompt tokens the only request in flight has prefilled and not yet sampled from (0 if none)."""
-    manager = worker.engine._manager
+    manager = worker.engine.manager
     states = [] if manager is None else list(manager.batch_processor.scheduler.active_requests.values())
     return states[0].position_offset if states and not states[0].generated_tokens else 0
 
@@ -214,8 +215,8 @@ def test_cancel_and_timeouts_release_everything_the_requests_held(own):
             with pytest.raises(CancelledError):
                 future.result()
     time.sleep(0.3)  # the loop drops the cancelled requests at its next step
-    assert not engine._requests.pending and not engine._calls and len(engine._requests.ledger) == 0
-    scheduler = engine._manager.batch_processor.scheduler
+    assert settled(engine), engine.in_flight()
+    scheduler = engine.manager.batch_processor.scheduler
     assert not scheduler.active_requests and not scheduler.waiting_requests
     batch = worker.generate(prompts_of([7]), SamplingParams(max_new_tokens=5))
     assert len(batch) == 1 and engine.num_restarts == 0
@@ -241,7 +242,7 @@ def test_new_calls_run_after_every_preempted_call_is_cancelled_or_aborted(tiny_p
             batches = [f.result(timeout=60) for f in futures]  # re-run from scratch, all of them
             assert [b.completion_lengths.tolist() for b in batches] == [[120] * 3] * 6
             assert batches[0].policy_version.tolist() == [1] * 3
-        assert not worker.engine._requests.pending and worker.metrics().kv_pages_used == 0
+        assert not worker.engine.in_flight().requests and worker.metrics().kv_pages_used == 0
 
 
 def test_concurrent_submits_timeouts_cancels_and_refreshes_on_a_shared_model(tiny):
@@ -338,4 +339,4 @@ def test_as_completed_yields_finished_groups_then_raises_on_cancel_and_its_timeo
         list(timed.as_completed(timeout=0.01))
     assert len(timed.result(timeout=60)) == 2 and timed.discarded_tokens == 0  # the call went on
     time.sleep(0.3)  # the loop drops the cancelled requests at its next step
-    assert not engine._requests.pending and not engine._calls and len(engine._requests.ledger) == 0
+    assert settled(engine), engine.in_flight()

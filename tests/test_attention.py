@@ -184,11 +184,11 @@ def test_the_engine_allocates_no_dense_mask_and_builds_none_per_step(tiny, monke
     real_mask = paged.sdpa_mask
     monkeypatch.setattr(paged, "sdpa_mask", lambda *a, **k: calls.append(1) or real_mask(*a, **k))
     with RolloutWorker(model, WorkerConfig(attn_implementation="sdpa")) as worker:  # the control: upstream's path
-        io = worker.engine._manager.batch_processor.inputs_and_outputs
+        io = worker.engine.manager.batch_processor.inputs_and_outputs
         assert io.attention_mask is not None and io.attention_mask["full_attention"].shape[-1] > 1000
     with RolloutWorker(model, WorkerConfig()) as worker:  # the default on CPU
         assert worker._engine_attn == NAME
-        assert worker.engine._manager.batch_processor.inputs_and_outputs.attention_mask is None
+        assert worker.engine.manager.batch_processor.inputs_and_outputs.attention_mask is None
         worker.generate(prompts_of([30, 12]), SamplingParams(n=2, max_new_tokens=5))
         assert calls == []  # no per-step [tokens, tokens] mask on the engine thread
         assert model.config._attn_implementation == "sdpa"  # the owner's attention is back

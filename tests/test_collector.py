@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from conftest import reference_logprobs
+from conftest import reference_logprobs, settled
 from rollout import (PromptsExhausted, RolloutCollector, RolloutWorker, SamplingParams, Turn, WorkerConfig,
                      nonzero_std)
 
@@ -55,22 +55,22 @@ def assert_nothing_left(worker) -> None:
     """The engine holds nothing of the collector's: no pending request, call or ledger entry, an empty scheduler."""
     engine = worker.engine
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and (engine._requests.pending or engine._calls):
+    while time.monotonic() < deadline and ((state := engine.in_flight()).requests or state.calls):
         time.sleep(0.01)
     time.sleep(0.2)  # the loop drops cancelled requests at its next step
-    assert not engine._requests.pending and not engine._calls and len(engine._requests.ledger) == 0
-    scheduler = engine._manager.batch_processor.scheduler
+    assert settled(engine), engine.in_flight()
+    scheduler = engine.manager.batch_processor.scheduler
     assert not scheduler.active_requests and not scheduler.waiting_requests
 
 
 def wait_progress(worker, tokens: int = 6, timeout: float = 30.0) -> None:
     """Until every request in flight has sampled `tokens` more (or finished): an update now lands mid-row."""
-    ledger = worker.engine._requests.ledger
-    start = {rid: len(v) for rid, v in list(ledger.versions.items())}
+    engine = worker.engine
+    start = {rid: n for rid, n in engine.in_flight().requests.items() if n}  # those that have sampled tokens
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        now = dict(list(ledger.versions.items()))
-        if all(rid not in now or len(now[rid]) >= n + tokens for rid, n in start.items()):
+        now = engine.in_flight().requests
+        if all(rid not in now or now[rid] >= n + tokens for rid, n in start.items()):
             return
         time.sleep(0.002)
     raise AssertionError("the requests in flight made no progress")
@@ -215,7 +215,7 @@ def test_partial_false_cancels_the_leftovers_and_close_leaves_nothing_behind(own
         assert_nothing_left(own)  # nothing keeps running between calls
     collector = RolloutCollector(own, prompts_of(40), LONG, over_sample=3.0, partial=True)
     collector.next_batch(2)
-    assert own.engine._requests.pending  # partial: the leftovers run on
+    assert own.engine.in_flight().requests  # partial: the leftovers run on
     collector.close()
     assert_nothing_left(own)
     with pytest.raises(RuntimeError, match="closed"):
@@ -390,7 +390,7 @@ def test_drafted_rows_carried_across_updates_are_exact_under_each_tokens_version
                 if version is not None:
                     wait_progress(worker, tokens=2)
                     worker.update_weights(versions[version].state_dict(), in_flight="recompute")
-        counts = worker.engine._speculator.counts
+        counts = worker.engine.speculation
         assert_nothing_left(worker)
     assert {0, 1} <= seen and max(spans) >= 2, (seen, spans)  # a row carried across an update
     assert counts.accepted > 0 and counts.rolled_back > 0, counts

@@ -43,7 +43,7 @@ def worker(tiny):
 
 def fill_every_page(worker) -> None:
     """What a long run leaves behind: every page of the KV cache written (its tokens are not read again)."""
-    worker.engine._manager.batch_processor.cache.cache_tensor.fill_(0)
+    worker.engine.manager.batch_processor.cache.cache_tensor.fill_(0)
 
 
 def test_sleep_releases_the_kv_budget_and_wake_serves_exact_rollouts_again(worker):
@@ -72,7 +72,7 @@ def test_a_host_kv_cache_costs_the_pages_its_tokens_fill_not_its_budget(tiny):
         started = rss_mb()
         # 1 GiB of KV budget (2M tokens); what is committed is the engine's bookkeeping of its blocks
         assert started - before < 0.05 * budget_mb, (before, started)
-        cache = worker.engine._manager.batch_processor.cache
+        cache = worker.engine.manager.batch_processor.cache
         assert int(cache.cache_tensor.count_nonzero()) == 0  # and it reads as zeros, as upstream's torch.zeros did
         worker.generate([prompt_of(40, seed=6)], SamplingParams(n=4, max_new_tokens=30, ignore_eos=True))
         # 4 x 70 tokens of KV (512 bytes each): well under a MiB, whatever the budget
@@ -84,10 +84,10 @@ def test_generate_on_a_sleeping_worker_wakes_it_and_sleep_waits_for_in_flight_ca
     result = {}
     caller = threading.Thread(target=lambda: result.setdefault("batch", worker.generate([prompt_of(30)], params)))
     caller.start()
-    while not worker.engine._requests.pending and "batch" not in result:  # until the call is in the engine
+    while not worker.engine.in_flight().requests and "batch" not in result:  # until the call is in the engine
         threading.Event().wait(0.005)
     worker.sleep()  # waits for it: every row finished before the engine stopped
-    assert worker.is_sleeping and not worker.engine._requests.pending
+    assert worker.is_sleeping and not worker.engine.in_flight().requests
     caller.join(timeout=30)  # the caller's own return (building its batch) comes after the engine's part
     assert result["batch"].completion_lengths.tolist() == [60] * 4
     assert worker.is_sleeping  # the call never needed the engine again: it was complete when sleep returned

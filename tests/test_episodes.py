@@ -296,7 +296,8 @@ def test_a_call_that_times_out_closes_its_environments_and_leaves_nothing_behind
     assert set(make_env.envs) == {(0, 0), (1, 0), (2, 0)}
     assert all(env.closed == 1 for env in make_env.envs.values())
     engine = worker.engine
-    assert not engine._requests.pending and not engine._driver.stepping and not engine._requests.rerun
+    state = engine.in_flight()
+    assert not state.requests and state.episodes_stepping == 0 and state.reruns == 0
     batch = worker.generate(prompts_of([8]), SamplingParams(max_new_tokens=3, ignore_eos=True), env=Echo, max_turns=2)
     assert_exact_episodes(worker.model, batch)
 

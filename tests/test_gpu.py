@@ -87,7 +87,7 @@ def test_a_fraction_budget_is_a_fraction_of_free_device_memory_up_to_what_the_en
     holds = 512 * c.max_position_embeddings * token_bytes  # the GPU default max_requests_per_batch is 512
     expected = min(0.05 * free, holds)
     with RolloutWorker(model, WorkerConfig(kv_cache_memory_fraction=0.05)) as worker:
-        cache = worker.engine._manager.batch_processor.cache
+        cache = worker.engine.manager.batch_processor.cache
         assert 0.8 * expected <= cache.cache_tensor.numel() <= 1.05 * expected, (free, holds)
 
 

@@ -157,7 +157,7 @@ def test_drafted_rows_on_a_peft_policy_equal_plain_ones_merged_or_not(tiny_path,
     speculating = dataclasses.replace(config, speculation=Speculation(mode="always"))
     with RolloutWorker(policy, speculating, tokenizer=tok) as worker:
         drafted = worker.generate(prompts, params)
-        counts = worker.engine._speculator.counts
+        counts = worker.engine.speculation
     assert counts.accepted > 0 and counts.rolled_back > 0
     assert torch.equal(drafted.completion_ids, plain.completion_ids)
     assert float((drafted.logprobs - plain.logprobs).abs().max()) <= 1e-5

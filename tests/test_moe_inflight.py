@@ -43,7 +43,7 @@ def assert_versions_exact(models: dict, batch, expected: set[int]) -> None:
 def sampled_some(worker, at_least: int, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if max((len(v) for v in list(worker.engine._requests.ledger.versions.values())), default=0) >= at_least:
+        if max(worker.engine.in_flight().requests.values(), default=0) >= at_least:
             return
         time.sleep(0.001)
     raise AssertionError("no request got going")
@@ -81,7 +81,7 @@ def test_wait_and_abort_switches_record_the_routing_of_the_version_that_ran(own)
     aborted = future.result(timeout=300)
     assert_versions_exact({2: models[0]}, aborted, {2})
     assert agreement(aborted, models[0]) >= 0.999
-    assert not worker.engine._recorder.buffers, "no routing buffer outlives its request"
+    assert worker.engine.in_flight().routing_buffers == 0, "no routing buffer outlives its request"
 
 
 def test_keep_switch_keeps_the_routing_that_built_the_old_kv(own):

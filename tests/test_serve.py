@@ -20,7 +20,7 @@ import openai
 import pytest
 import torch
 from conftest import ADD, CALL, USER, assert_alternatives_exact, chat, gaps_by_version, http, perturbed, \
-    reference_logprobs, serving, wait_until
+    reference_logprobs, serving, settled, wait_until
 from conftest import SERVED_TOL as TOL, assert_served_exact as assert_exact
 
 import rollout
@@ -354,13 +354,13 @@ def test_a_client_that_disconnects_cancels_its_request(served, slow_steps):
     start = time.monotonic()
     with pytest.raises(openai.APITimeoutError):
         chat(impatient, max_tokens=900, extra_body={"ignore_eos": True})
-    assert wait_until(lambda: not engine._requests.pending and len(engine._requests.ledger) == 0 and not engine._calls, 10)
+    assert wait_until(lambda: settled(engine), 10)
     streamed = chat(client, max_tokens=900, stream=True, extra_body={"ignore_eos": True})
     chunks = [next(streamed) for _ in range(4)]
     assert chunks[-1].choices[0].model_extra["token_ids"]
-    assert engine._requests.pending
+    assert engine.in_flight().requests
     streamed.close()
-    assert wait_until(lambda: not engine._requests.pending and len(engine._requests.ledger) == 0 and not engine._calls, 10)
+    assert wait_until(lambda: settled(engine), 10)
     assert time.monotonic() - start < 20  # both were cancelled, not run to their 900 tokens
 
 

@@ -12,7 +12,7 @@ import time
 
 import openai
 import pytest
-from conftest import ADD, CALL, USER, assert_alternatives_exact, chat, http, serving, wait_until
+from conftest import ADD, CALL, USER, assert_alternatives_exact, chat, http, serving, settled, wait_until
 from conftest import assert_served_exact as assert_exact
 
 from rollout import SamplingParams
@@ -120,9 +120,9 @@ def test_a_client_that_leaves_a_stream_cancels_its_turn(served, slow_steps):
     start = time.monotonic()
     stream = respond(client, max_output_tokens=900, stream=True, extra_body={"ignore_eos": True})
     kinds = [next(stream).type for _ in range(5)]
-    assert kinds[-1] == "response.output_text.delta" and engine._requests.pending
+    assert kinds[-1] == "response.output_text.delta" and engine.in_flight().requests
     stream.close()
-    assert wait_until(lambda: not engine._requests.pending and len(engine._requests.ledger) == 0 and not engine._calls, 10)
+    assert wait_until(lambda: settled(engine), 10)
     assert time.monotonic() - start < 15
 
 

@@ -22,7 +22,7 @@ def kv_bytes_per_token(model) -> int:
 
 
 def cache_blocks(worker: RolloutWorker) -> int:
-    return worker.engine._manager.batch_processor.cache.num_blocks
+    return worker.engine.manager.batch_processor.cache.num_blocks
 
 
 def test_unset_sizes_take_the_devices_defaults():

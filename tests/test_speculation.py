@@ -51,7 +51,7 @@ def run_both(model, tok, prompts, params, config: WorkerConfig, monkeypatch, **k
     monkeypatch.setattr(speculator_module, "DraftIndex", Replay(plain))
     with RolloutWorker(model, speculative(config), tokenizer=tok) as worker:
         drafted = worker.generate(prompts, params, **kwargs)
-        counts = worker.engine._speculator.counts
+        counts = worker.engine.speculation
         counts.metrics = worker.metrics()
     return plain, drafted, counts
 
@@ -180,13 +180,13 @@ def test_rollback_leaves_no_page_and_no_prefix_hash_of_a_rejected_draft(tiny, mo
         pages["drafted"] = hashed_pages(worker)
         metrics = worker.metrics()
     assert_same_rows(plain, drafted)
-    assert metrics.kv_pages_used == 0 and worker.engine._speculator.counts.rolled_back > 0
+    assert metrics.kv_pages_used == 0 and worker.engine.speculation.rolled_back > 0
     # the same full pages of real tokens are cached, and nothing else
     assert pages["drafted"] == pages["plain"] and pages["plain"]
 
 
 def hashed_pages(worker) -> set[int]:
-    cache = worker.engine._manager.batch_processor.cache
+    cache = worker.engine.manager.batch_processor.cache
     return {h for allocator in cache.cache_allocators.values() for h in allocator.ledger.hash_to_block}
 
 
@@ -222,7 +222,7 @@ def test_a_failing_draft_source_gives_no_drafts_and_the_same_rows(tiny, monkeypa
     monkeypatch.setattr(speculator_module, "DraftIndex", Broken.of_batch(plain, VOCAB))
     with RolloutWorker(model, speculative(WorkerConfig()), tokenizer=tok) as worker:
         drafted = worker.generate(prompts_of([7]), params)
-        assert worker.engine._speculator.counts.verify_rows == 0
+        assert worker.engine.speculation.verify_rows == 0
     assert_same_rows(plain, drafted)
 
 
@@ -263,7 +263,7 @@ def test_drafted_moe_rows_record_the_routing_of_the_positions_they_kept_and_noth
     monkeypatch.setattr(speculator_module, "DraftIndex", Replay(plain))
     with RolloutWorker(model, speculative(config), tokenizer=tok) as worker:
         drafted = worker.generate(prompts, params)
-        counts = worker.engine._speculator.counts
+        counts = worker.engine.speculation
         rows = [list(drafted.prompt_ids[r]) + drafted.completion_token_lists()[r] for r in range(len(drafted))]
         again = worker.generate(rows, SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True))
     assert_same_rows(plain, drafted)
@@ -335,12 +335,12 @@ def test_an_update_mid_call_tags_drafted_tokens_with_the_version_that_verified_t
     monkeypatch.setattr(speculator_module, "DraftIndex", Replay(plain, wrong_every=7))
     with RolloutWorker(tiny_path, speculative(config)) as worker:
         future = worker.submit(prompts, params)
-        ledger = worker.engine._requests.ledger
-        while not ledger.versions or min(len(v) for v in list(ledger.versions.values())) < 10:
+        # until every request that has sampled tokens has sampled 10 (and one has)
+        while not (counts := [n for n in worker.engine.in_flight().requests.values() if n]) or min(counts) < 10:
             time.sleep(0.001)
         worker.update_weights(v1.state_dict(), in_flight=mode)
         batch = future.result(timeout=120)
-        counts = worker.engine._speculator.counts
+        counts = worker.engine.speculation
     assert counts.accepted > 0
     expected = {"recompute": {0, 1}, "keep": {0, 1}, "abort": {1}, "wait": {0}}[mode]
     for r in range(len(batch)):
@@ -527,7 +527,7 @@ def test_an_engine_death_mid_call_reruns_drafted_rows_to_the_same_tokens(tiny, m
     inject_engine_fault(at_step=6)
     with RolloutWorker(model, speculative(WorkerConfig()), tokenizer=tok) as worker:
         drafted = worker.generate(prompts_of([10, 5]), params)
-        assert worker.engine.num_restarts == 1 and worker.engine._speculator.counts.accepted > 0
+        assert worker.engine.num_restarts == 1 and worker.engine.speculation.accepted > 0
     assert_same_rows(plain, drafted)
 
 
@@ -725,7 +725,7 @@ def test_stop_strings_cut_drafted_rows_where_they_cut_plain_ones_streamed_or_not
     monkeypatch.setattr(speculator_module, "DraftIndex", ReplayDrafts([prompt + ids], VOCAB))
     with RolloutWorker(model, speculative(config), tokenizer=tok) as worker:
         drafted = answers(worker, stop)
-        counts = worker.engine._speculator.counts
+        counts = worker.engine.speculation
     assert drafted == plain
     assert counts.accepted > 0 and counts.rolled_back > 0
 
@@ -742,7 +742,7 @@ def test_a_call_cancelled_while_its_rows_verify_drafts_releases_every_page_and_t
         plain = worker.generate(prompts, params)
     monkeypatch.setattr(speculator_module, "DraftIndex", Replay(plain))
     with RolloutWorker(model, speculative(config), tokenizer=tok) as worker:
-        counts = worker.engine._speculator.counts
+        counts = worker.engine.speculation
         future = worker.submit(prompts, params)
         deadline = time.monotonic() + 60
         while counts.verify_rows < 8 and time.monotonic() < deadline:
@@ -750,8 +750,8 @@ def test_a_call_cancelled_while_its_rows_verify_drafts_releases_every_page_and_t
         assert counts.verify_rows >= 8 and future.cancel()
         with pytest.raises(CancelledError):
             future.result()
-        while (worker.engine._requests.pending or worker.metrics().kv_pages_used) and time.monotonic() < deadline:
+        while (worker.engine.in_flight().requests or worker.metrics().kv_pages_used) and time.monotonic() < deadline:
             time.sleep(0.01)  # the loop drops the cancelled requests at its next step
-        assert not worker.engine._requests.pending and worker.metrics().kv_pages_used == 0
+        assert not worker.engine.in_flight().requests and worker.metrics().kv_pages_used == 0
         again = worker.generate(prompts, params)
     assert_same_rows(plain, again)

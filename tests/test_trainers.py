@@ -555,7 +555,8 @@ def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tiny, monke
         seen = spy_updates(trainer, monkeypatch)
         history = trainer.train(3)
         trainer.close()
-        assert not worker.engine._requests.pending and not worker.engine._calls  # partial=False: nothing left running
+        state = worker.engine.in_flight()
+        assert not state.requests and state.calls == 0  # partial=False: nothing left running
     for (batch, rewards), m in zip(seen, history):
         assert len(batch) == 16 and torch.equal(rewards, batch.rewards)
         assert (rewards.view(4, 4).std(dim=1) > 0).all()  # every group trained on has a signal
@@ -581,7 +582,8 @@ def test_partial_rollouts_train_on_rows_spanning_versions_with_their_own_behavio
             history.append(trainer.step())
             snapshots[step + 1] = copy.deepcopy(model).eval()
         trainer.close()
-        assert not worker.engine._requests.pending and not worker.engine._calls
+        state = worker.engine.in_flight()
+        assert not state.requests and state.calls == 0
     spanning = 0
     for step, (batch, _) in enumerate(seen):
         produced = batch.token_versions[batch.action_mask]
@@ -609,7 +611,7 @@ def test_dynamic_sampling_config_and_sharing_are_checked_before_anything_runs(ti
         with pytest.raises(ValueError, match="partial_rollouts=True is invalid with a RolloutWorker that shares"):
             GRPOTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), digit_reward(tok), lambda s: ids(tok),
                         worker, GRPOConfig(partial_rollouts=True))
-        assert not worker.engine._calls
+        assert worker.engine.in_flight().calls == 0
 
 
 # ------------------------------------------------------------------------------------------ the demo, shortened

@@ -215,7 +215,7 @@ def test_the_loop_runs_the_batch_processor_built_before_it_started(worker):
     assert 'batch_processor = getattr(self, "batch_processor", None)' in inspect.getsource(
         ContinuousBatchingManager._create_batch_processor)
     worker.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3))
-    assert type(worker.engine._manager.batch_processor.model_runner) is RolloutModelRunner
+    assert type(worker.engine.manager.batch_processor.model_runner) is RolloutModelRunner
 
 
 def test_upstream_still_schedules_a_zero_token_fork_and_ours_does_not():
@@ -245,7 +245,7 @@ def test_requests_reach_the_loop_through_the_input_queue_and_the_wake_up_event(w
     assert "self.input_queue.put(state" in add and "self._wake_up_loop.set()" in add
     body = inspect.getsource(ContinuousBatchingManager._generation_loop_body)
     assert "self._wake_up_loop.wait(" in body and "self._wake_up_loop.clear()" in body
-    manager = worker.engine._manager
+    manager = worker.engine.manager
     assert isinstance(manager._wake_up_loop, threading.Event) and isinstance(manager.input_queue, queue.Queue)
     assert manager._generation_thread.daemon and manager._generation_thread.is_alive()
 
@@ -264,12 +264,12 @@ def test_a_loop_that_dies_records_its_error_as_fatal_error(tiny, monkeypatch):
     monkeypatch.setattr(RolloutModelRunner, "_forward_process_and_sample",
                         lambda self, *a: (_ for _ in ()).throw(RuntimeError("injected")))
     with RolloutWorker(model, WorkerConfig(num_blocks=64, max_retries=0), tokenizer=tok) as worker:
-        first = worker.engine._manager
+        first = worker.engine.manager
         with pytest.raises(RuntimeError, match="injected"):
             worker.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))
         assert isinstance(first.background_thread_status.fatal_error, RuntimeError)
         assert "injected" in str(first.background_thread_status.fatal_error)
-        assert worker.engine._manager is not first and worker.engine.num_restarts >= 1
+        assert worker.engine.manager is not first and worker.engine.num_restarts >= 1
 
 
 # ---------------------------------------------------------------------------------------------- what the runner writes
@@ -278,7 +278,7 @@ def test_output_ids_hold_tokens_in_row_0_and_fp32_logprobs_as_int32_in_row_1(wor
     source = inspect.getsource(ModelRunner._sample)
     assert "output_ids[0, :tokens].copy_(next_tokens)" in source
     assert "output_ids[1, :tokens].copy_(logprobs.view(dtype=torch.int32))" in source
-    manager = worker.engine._manager
+    manager = worker.engine.manager
     with manager.pause():  # the loop is parked: its buffers are ours for a moment
         io = manager.batch_processor.inputs_and_outputs
         assert isinstance(io, ContinuousBatchingIOs)
@@ -326,7 +326,7 @@ def test_every_forward_gets_fresh_cu_seq_lens_q_and_read_index(worker, monkeypat
     `cu_seq_lens_q` tensor and `read_index` list: each forward must bring new ones (else a stale plan is reused),
     shared by all its layers (else the plan is rebuilt per layer)."""
     assert "self.inputs_and_outputs.get_model_kwargs(" in inspect.getsource(ContinuousBatchProcessor._generation_step)
-    manager = worker.engine._manager
+    manager = worker.engine.manager
     with manager.pause():
         io = manager.batch_processor.inputs_and_outputs
         first, second = io.get_model_kwargs(), io.get_model_kwargs()
@@ -407,7 +407,7 @@ def test_block_table_rows_hold_each_requests_pages_of_the_layers_token_view(work
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
     # a copy of the engine's cache whose allocators hold only the probe: the engine thread owns the live tables
-    cache = copy.copy(worker.engine._manager.batch_processor.cache)
+    cache = copy.copy(worker.engine.manager.batch_processor.cache)
     cache.cache_allocators = {name: copy.copy(a) for name, a in cache.cache_allocators.items()}
     allocator = cache.cache_allocators["full_attention"]
     allocator.block_table = {"probe": [3, 7, 11]}
@@ -525,7 +525,7 @@ def test_preemption_goes_through_offload_requests_which_takes_requests_out_of_th
     assert "new_state = state.create_equivalent_initial_request()" in offload
     assert list(inspect.signature(FIFOScheduler.schedule_batch).parameters) == ["self", "token_budget", "cache_budget"]
     assert RequestState(request_id="r", initial_tokens=[1, 2]).logprobs == []  # a new request has sampled nothing
-    processor = worker.engine._manager.batch_processor
+    processor = worker.engine.manager.batch_processor
     assert type(processor.offloading_manager) is RolloutOffloading and type(processor.scheduler) is RolloutScheduler
     worker.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=3))
     assert kv_pages(processor.cache) == (64, 0, 0)  # the page count reads upstream's pools and ledgers

@@ -186,7 +186,7 @@ def _generate_in_thread(worker, prompts, params):
     thread = threading.Thread(target=lambda: out.setdefault("batch", worker.generate(prompts, params)))
     thread.start()
     deadline = time.monotonic() + 30
-    while not worker.engine._requests.pending and time.monotonic() < deadline:
+    while not worker.engine.in_flight().requests and time.monotonic() < deadline:
         time.sleep(0.002)
     time.sleep(0.05)  # let some decode steps happen on the old weights
     return thread, out

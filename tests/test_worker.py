@@ -7,7 +7,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import reference_logprobs
+from conftest import reference_logprobs, settled
 
 from rollout import RolloutBatch, RolloutWorker, SamplingParams, WorkerConfig
 from rollout.engine.upstream.runner import RolloutModelRunner
@@ -207,14 +207,15 @@ def test_bad_input_is_rejected_before_anything_is_submitted(shared, prompts, sam
         raise AssertionError(f"submitted before validation failed: {args}")
 
     monkeypatch.setattr(engine, "_submit", refuse)
-    monkeypatch.setattr(engine._manager.input_queue, "put", refuse)
-    next_id = repr(engine._ids)  # itertools.count(k): k is the id the next request gets
+    monkeypatch.setattr(engine.manager.input_queue, "put", refuse)
+    next_id = engine.in_flight().next_request  # the number the next engine request's id gets
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         shared.generate(prompts, sampling)
-    assert repr(engine._ids) == next_id and not engine._requests.pending and engine._manager.input_queue.empty()
+    state = engine.in_flight()
+    assert state.next_request == next_id and not state.requests and engine.manager.input_queue.empty()
     monkeypatch.undo()
     assert len(shared.generate([[5, 6]], SamplingParams(max_new_tokens=2))) == 1
-    assert repr(engine._ids) != next_id  # the witness works: a good call does take an id
+    assert engine.in_flight().next_request != next_id  # the witness works: a good call does take an id
 
 
 def test_more_alternatives_than_the_vocabulary_has_are_refused_naming_the_field():
@@ -268,11 +269,11 @@ def test_empty_call_returns_an_empty_batch(shared):
 
 
 def test_engine_is_started_once_and_calls_leave_no_state(shared):
-    manager = shared.engine._manager
+    manager = shared.engine.manager
     for _ in range(2):
         shared.generate(prompts_of([3, 4]), SamplingParams(n=2, max_new_tokens=3))
-    assert shared.engine._manager is manager
-    assert not shared.engine._requests.pending and len(shared.engine._requests.ledger) == 0 and not shared.engine._calls
+    assert shared.engine.manager is manager
+    assert settled(shared.engine), shared.engine.in_flight()
 
 
 def test_worker_from_a_checkpoint_directory_loads_model_and_tokenizer(tiny_path):
@@ -344,7 +345,8 @@ def test_a_timeout_raises_with_progress_and_leaves_nothing_running(shared):
     params = SamplingParams(n=4, max_new_tokens=400, ignore_eos=True)
     with pytest.raises(TimeoutError, match=r"generate timed out after 0.05s with \d+/16 rows done"):
         shared.generate(prompts_of([20, 30, 40, 50], seed=21), params, timeout=0.05)
-    assert not shared.engine._requests.pending and not shared.engine._requests.rerun
+    state = shared.engine.in_flight()
+    assert not state.requests and not state.reruns
     assert len(shared.generate([[3, 4]], SamplingParams(max_new_tokens=2))) == 1
 
 
@@ -401,7 +403,7 @@ def test_a_dropped_engine_frees_its_kv_cache_at_once_with_no_full_collection(tin
     gc.callbacks.append(on_collect)
     try:
         worker = RolloutWorker(model, WorkerConfig(page_size=4, num_blocks=64), tokenizer=tok)
-        cache = weakref.ref(worker.engine._manager.batch_processor.cache.cache_tensor)
+        cache = weakref.ref(worker.engine.manager.batch_processor.cache.cache_tensor)
         plain = worker.generate([[5, 6, 7]], params)
         if how == "restart":
             inject_engine_fault(at_step=1)
