@@ -87,7 +87,7 @@ from transformers.generation.continuous_batching.utils import attn_mask_is_neede
 from rollout import RolloutWorker, SamplingParams, WorkerConfig
 from rollout.engine.attention import plan as plan_mod
 from rollout.engine import install
-from rollout.engine.upstream import HOOKS
+from rollout.engine.upstream import HOOKS, PATCHES
 from rollout.engine.upstream import NAME
 from rollout.engine.upstream.runner import OUTPUT_ROWS, RolloutModelRunner
 from rollout.engine.upstream.scheduler import RolloutScheduler
@@ -128,6 +128,34 @@ def test_the_hook_list_is_complete():
     assert all(hook.why and hook.owner for hook in HOOKS)
 
 
+def _leaf(target: str) -> str:
+    """The name a PATCHES target replaces: `A.b.c` -> `c`, `A['key']` -> `A`."""
+    return target.split("[")[0].rsplit(".", 1)[-1]
+
+
+def test_every_process_wide_patch_is_listed_with_the_function_that_makes_it():
+    """upstream/patches.py is the one place process-wide state changes (tests/test_layout.py), and each change its
+    functions make (an attribute or registry entry replaced) is a row of PATCHES with that function: the private
+    helpers `_patch_*` act for `install_fused`, which calls them (the module's other functions read code, and change
+    nothing but the objects they build)."""
+    tree = ast.parse((ENGINE / "upstream" / "patches.py").read_text())
+    made = set()
+    for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith(("install", "_patch"))):
+        owner = "install_fused" if fn.name.startswith("_patch") else fn.name
+        for node in ast.walk(fn):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for target in targets:
+                if isinstance(target, ast.Attribute) and target.attr != "__wrapped__":  # our wrapper's own field
+                    made.add((owner, target.attr))
+                elif isinstance(target, ast.Subscript):
+                    made.add((owner, ast.unparse(target.value).rsplit(".", 1)[-1]))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "register":
+                made.add((owner, ast.unparse(node.func.value)))
+    listed = {(patch.by, _leaf(patch.target)) for patch in PATCHES}
+    assert made == listed
+    assert all(patch.why for patch in PATCHES)
+
+
 def test_importing_rollout_changes_nothing_in_transformers_until_install():
     """In a fresh process: importing every rollout module leaves transformers as it was; install() plugs every hook
     in, and a second call changes nothing more. A module whose optional extra is not installed (Ray, the server's
@@ -143,13 +171,17 @@ def test_importing_rollout_changes_nothing_in_transformers_until_install():
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
         from transformers.generation.continuous_batching import cache, initialization, scheduler
+        from transformers.models.llama import modeling_llama
+        import torch
         def state():
             return (AttentionInterface._global_mapping.get("rollout_paged"),
                     AttentionMaskInterface._global_mapping.get("rollout_paged"),
                     scheduler.SCHEDULER_MAPPING.get("rollout_fifo"),
                     initialization.ensure_decode_fast_path_is_available,
                     cache.PagedAttentionMemoryHandler.__init__, cache.torch)
-        before = state()
+        def kernels():  # what install_linear and install_fused replace, only when an engine chooses those kernels
+            return (torch.nn.Linear.forward, modeling_llama.LlamaRMSNorm.forward, modeling_llama.apply_rotary_pos_emb)
+        before, kernels_before = state(), kernels()
         import rollout
         for info in pkgutil.walk_packages(rollout.__path__, "rollout."):
             try:
@@ -158,7 +190,7 @@ def test_importing_rollout_changes_nothing_in_transformers_until_install():
                 if missing(exc) not in EXTRAS:
                     raise
                 print("left out (its extra is not installed):", info.name)
-        assert state() == before, "an import changed transformers"
+        assert state() == before and kernels() == kernels_before, "an import changed transformers or torch"
         from rollout.engine import install
         from rollout.engine.upstream import is_installed
         assert not is_installed()
@@ -166,7 +198,7 @@ def test_importing_rollout_changes_nothing_in_transformers_until_install():
         after = state()
         assert all(a is not b for a, b in zip(after, before)), after
         install()
-        assert state() == after
+        assert state() == after and kernels() == kernels_before  # install() leaves the kernels' targets alone
         print("ok")
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)

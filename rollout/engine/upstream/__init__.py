@@ -10,8 +10,8 @@ May import: transformers, torch and rollout's `base`; nothing of the engine outs
 engine's own (the paged attention, the step's sampling, verification, the kernels' forwards) is handed in at
 construction or to `install*()`, typed here by the protocol it must follow (`runner.StepSampling`).
 
-- patches.py: every process-wide change (the attention and scheduler registries, the memory plan, the block tables,
-  `nn.Linear.forward`, Llama-exact norms and rotary), each once; hooks.py: the table of private names;
+- patches.py: every process-wide change (listed in `PATCHES`: the attention and scheduler registries, the memory plan,
+  the block tables, `nn.Linear.forward`, Llama-exact norms and rotary), each once; hooks.py: both tables;
 - attention.py: what `rollout_paged` needs of upstream (its name, the model's attention, the cache's views);
 - blocktable.py: the decode fast path's block tables under `rollout_paged`;
 - memory.py: upstream's memory plan under `rollout_paged`, the lazily zeroed host cache, page counts;
@@ -28,7 +28,7 @@ from transformers.generation.continuous_batching.utils import attn_mask_is_neede
 
 from . import switch
 from .attention import ENGINE_THREAD, NAME, PagedAttentionCache, current_attn_implementation, kv_views
-from .hooks import HOOKS, Hook
+from .hooks import HOOKS, PATCHES, Hook, Patch
 from .patches import install, install_fused, install_linear, is_installed
 from .manager import Hooks, RolloutManager
 from .memory import kv_pages, planned_memory
@@ -37,8 +37,8 @@ from .runner import RowSlotArgs, StepSampling, TopReader
 from .scheduler import CHILD_SEPARATOR, SCHEDULER_NAME
 from .state import history, stop_ids
 
-__all__ = ["CHILD_SEPARATOR", "ENGINE_THREAD", "HOOKS", "NAME", "SCHEDULER_NAME", "GenerationOutput", "Hook", "Hooks",
-           "PagedAttentionCache", "RequestState", "RequestStatus", "RolloutManager", "RowSlotArgs", "StepSampling",
-           "TopReader", "attn_mask_is_needed", "complete_blocks", "current_attn_implementation", "history", "install",
-           "install_fused", "install_linear", "is_installed", "kv_pages", "kv_views", "planned_memory",
-           "release_pages_past", "stop_ids", "switch"]
+__all__ = ["CHILD_SEPARATOR", "ENGINE_THREAD", "HOOKS", "NAME", "PATCHES", "SCHEDULER_NAME", "GenerationOutput", "Hook",
+           "Hooks", "PagedAttentionCache", "Patch", "RequestState", "RequestStatus", "RolloutManager", "RowSlotArgs",
+           "StepSampling", "TopReader", "attn_mask_is_needed", "complete_blocks", "current_attn_implementation",
+           "history", "install", "install_fused", "install_linear", "is_installed", "kv_pages", "kv_views",
+           "planned_memory", "release_pages_past", "stop_ids", "switch"]

@@ -69,3 +69,35 @@ HOOKS: tuple[Hook, ...] = (
          "the CPU flash kernel, the only SDPA that also returns the log-sum-exp that merging shared-prefix "
          "attention needs"),
 )
+
+
+@dataclass(frozen=True)
+class Patch:
+    target: str  # what is replaced in process-wide state, as its owner spells it
+    by: str  # the function of patches.py that replaces it (once, when the engine calls it)
+    why: str
+
+
+# Every change rollout makes to process-wide state (public names too), each made by one function of patches.py;
+# tests/test_upstream_contract.py checks that this list is what patches.py assigns, and that importing rollout
+# changes none of it.
+PATCHES: tuple[Patch, ...] = (
+    Patch("AttentionInterface['rollout_paged']", "install",
+          "registers the mask-free paged attention (rollout/engine/attention/paged.py)"),
+    Patch("AttentionMaskInterface['rollout_paged']", "install",
+          "its mask entry: sdpa's off the engine thread, none on it"),
+    Patch("continuous_batching.scheduler.SCHEDULER_MAPPING['rollout_fifo']", "install",
+          "FIFO scheduling without the 1-token fork crash, with drafts joined to decoding rows"),
+    Patch("continuous_batching.initialization.ensure_decode_fast_path_is_available", "install",
+          "keeps the decode fast path's block tables under rollout_paged (upstream's check for every other attention)"),
+    Patch("continuous_batching.cache.PagedAttentionMemoryHandler.__init__", "install",
+          "upstream's memory plan fitted to rollout_paged (unchanged for other attentions)"),
+    Patch("continuous_batching.cache.torch", "install",
+          "the cache's one host allocation lazily zeroed; every other call is torch's own"),
+    Patch("torch.nn.Linear.forward", "install_linear",
+          "the engine thread's fp32 linears on oneDNN inside OneDNNLinears; everywhere else the forward before"),
+    Patch("<Llama-exact RMSNorm class>.forward", "install_fused",
+          "the engine thread's norms on the fused kernel inside Fused(), torch's bits; everywhere else the original"),
+    Patch("<Llama-exact modeling module>.apply_rotary_pos_emb", "install_fused",
+          "the engine thread's rotary on the fused kernel inside Fused(), torch's bits; everywhere else the original"),
+)
