@@ -3,7 +3,8 @@
     worker = RolloutWorker("checkpoint/", WorkerConfig())        # its own copy: the trainer loads the checkpoint too
     source = AsyncRollouts(worker, args, train_dataset, reward_funcs, tokenizer)
     trainer = AsyncGRPOTrainer("checkpoint/", reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
-                               processing_class=tokenizer, rollout_worker=source, weight_transfer=AsyncWeightSync(source))
+                               processing_class=tokenizer, rollout_worker=source,
+                               weight_transfer=AsyncWeightSync(source))
     trainer.train()
 
 What TRL 1.16 does with them (read in `async_grpo_trainer.py`): on train begin `init_weight_transfer()`, a first sync,
@@ -55,6 +56,12 @@ def trl_sampling(args: Any, stop_ids: Sequence[int]) -> SamplingParams:
                           top_p=float(args.top_p), min_p=float(args.min_p or 0.0),
                           repetition_penalty=float(args.repetition_penalty),
                           max_new_tokens=int(args.max_completion_length), stop_token_ids=tuple(stop_ids))
+
+
+def parses_responses(tokenizer: Any) -> bool:
+    """The tokenizer can parse a completion into an assistant message (a response template, or TRL's legacy schema)."""
+    return getattr(tokenizer, "response_template", None) is not None or \
+        getattr(tokenizer, "response_schema", None) is not None
 
 
 def score_group(reward_funcs: Sequence[Callable], prompts: list, completions: list, completion_ids: list[list[int]],
@@ -112,7 +119,7 @@ class AsyncRollouts:
                           "pass the trainer's dataset of conversational prompts")
         if getattr(args, "token_budget", None) is None:
             args.token_budget = min(rollouts.max_request_tokens, rollouts.max_context or rollouts.max_request_tokens)
-        if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
+        if not parses_responses(tokenizer):
             with contextlib.suppress(ValueError):  # as TRL's worker does for known templates; TRL raises on others,
                 tokenizer = add_response_schema(tokenizer)  # here their completions are decoded text (parse_response)
         self.rollouts, self.args, self.dataset, self.tokenizer = rollouts, args, train_dataset, tokenizer
@@ -256,10 +263,9 @@ class AsyncRollouts:
         this chat template) TRL's own fallback, the decoded text."""
         from trl.chat_template_utils import parse_response
 
-        tok = self.tokenizer
-        if getattr(tok, "response_template", None) is None and getattr(tok, "response_schema", None) is None:
-            return {"role": "assistant", "content": tok.decode(completion_ids, skip_special_tokens=True)}
-        return parse_response(tok, completion_ids, prefix=prompt_ids)
+        if not parses_responses(self.tokenizer):
+            return {"role": "assistant", "content": self.tokenizer.decode(completion_ids, skip_special_tokens=True)}
+        return parse_response(self.tokenizer, completion_ids, prefix=prompt_ids)
 
     def _group_metrics(self, batch: RolloutBatch, score_s: float) -> dict:
         lengths = batch.completion_lengths
@@ -296,8 +302,7 @@ class AsyncWeightSync:
 
     `pause()` / `resume()` hold back the groups the producer would start during the sync (they would sample from
     weights about to be replaced); the generations already in flight are handled by the update itself
-    (`in_flight`): the engine fences them, so no pause of the engine is needed. In-process there is no transport
-    group: `init_weight_transfer` checks the rollout side answers, `destroy` refuses later sends."""
+    (`in_flight`): the engine fences them, so no pause of the engine is needed."""
 
     def __init__(self, source: AsyncRollouts) -> None:
         if not isinstance(source, AsyncRollouts):
@@ -306,7 +311,8 @@ class AsyncWeightSync:
         self._open = False
 
     def init_weight_transfer(self) -> None:
-        self.source.rollouts.policy_version  # noqa: B018 (a closed or dead rollout side raises here, before training)
+        """In-process there is no transport group to build: this opens the transfer (sends are refused before it
+        and after `destroy`)."""
         self._open = True
 
     def pause(self) -> None:
