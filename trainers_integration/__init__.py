@@ -4,6 +4,8 @@
     trainer = GRPOTrainer(policy, optimizer, reward_fn, prompts, rollouts=RolloutWorker(policy, ...))
 
 `trainers_integration.trl` (TRL's GRPOTrainer on this engine) imports TRL only when used.
+`trainers_integration.trl_async` (TRL's experimental AsyncGRPOTrainer on this engine: its RolloutWorkerProtocol and
+WeightTransferProtocol) imports TRL when an AsyncRollouts is built.
 """
 
 from .config import RolloutTrainerConfig
