@@ -107,28 +107,47 @@ ALLOWED = {
 MAX_TOP_LEVEL_MODULES = 8
 
 
-def package_arrows() -> dict[tuple[str, str], set[str]]:
-    """(importing folder, imported folder) -> the files that import across, for every import inside rollout/."""
+def runtime_imports(tree: ast.Module) -> list[ast.ImportFrom]:
+    """The ImportFrom nodes of a module, less those under `if TYPE_CHECKING:` (a type named, no runtime arrow)."""
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            skipped.update(id(n) for child in node.body for n in ast.walk(child))
+    return [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and id(n) not in skipped]
+
+
+def room_arrows(package: Path, top: str, with_top: bool) -> dict[tuple[str, str], set[str]]:
+    """(importing room, imported room) -> the files that import across, for every import inside `package` (a folder
+    of rollout/): a room is a subfolder of it, `top` names its top-level modules (whose own imports are counted only
+    `with_top`)."""
+    prefix = list(package.relative_to(ROOT.parent).parts)  # ["rollout"], ["rollout", "engine"], ...
     arrows: dict[tuple[str, str], set[str]] = {}
-    for path, tree in sources().items():
-        parts = Path(path).with_suffix("").parts  # ("rollout", "engine", "core")
-        here = list(parts[:-1]) if parts[-1] != "__init__" else list(parts[:-1])
-        folder = parts[1] if len(parts) > 2 else "(top)"
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.ImportFrom):
-                continue
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package).parts
+        room = rel[0] if len(rel) > 1 else top
+        if room == top and not with_top:
+            continue
+        here = prefix + list(rel[:-1])
+        for node in runtime_imports(ast.parse(path.read_text(), str(path))):
             if node.level:
                 target = here[: len(here) - node.level + 1] + (node.module.split(".") if node.module else [])
-            elif node.module and node.module.split(".")[0] == "rollout":
+            elif node.module:
                 target = node.module.split(".")
             else:
                 continue
-            names = [target[1]] if len(target) > 1 else [a.name for a in node.names]
+            if target[: len(prefix)] != prefix:
+                continue
+            names = [target[len(prefix)]] if len(target) > len(prefix) else [a.name for a in node.names]
             for name in names:
-                kind = name if (ROOT / name).is_dir() else "(top)"
-                if kind != folder:
-                    arrows.setdefault((folder, kind), set()).add(path)
+                kind = name if (package / name).is_dir() else top
+                if kind != room:
+                    arrows.setdefault((room, kind), set()).add(str(path.relative_to(ROOT.parent)))
     return arrows
+
+
+def package_arrows() -> dict[tuple[str, str], set[str]]:
+    """(importing folder, imported folder) -> the files that import across, for every import inside rollout/."""
+    return room_arrows(ROOT, "(top)", with_top=True)
 
 
 def test_every_import_between_folders_is_an_allowed_arrow():
@@ -213,39 +232,9 @@ ENGINE_ROOMS = {
 MAX_ENGINE_TOP_LEVEL_MODULES = 10
 
 
-def runtime_imports(tree: ast.Module):
-    """The ImportFrom nodes of a module, less those under `if TYPE_CHECKING:`."""
-    skipped = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
-            skipped.update(id(n) for child in node.body for n in ast.walk(child))
-    return [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and id(n) not in skipped]
-
-
 def engine_arrows() -> dict[tuple[str, str], set[str]]:
     """(room, imported room or "(engine top)") -> files, for every import between the engine's rooms."""
-    arrows: dict[tuple[str, str], set[str]] = {}
-    for path in sorted(ENGINE.rglob("*.py")):
-        rel = path.relative_to(ENGINE).parts
-        if len(rel) < 2:
-            continue  # the top level may import every room
-        room = rel[0]
-        here = ["rollout", "engine", *rel[:-1]]
-        for node in runtime_imports(ast.parse(path.read_text())):
-            if node.level:
-                target = here[: len(here) - node.level + 1] + (node.module.split(".") if node.module else [])
-            elif node.module and node.module.startswith("rollout.engine"):
-                target = node.module.split(".")
-            else:
-                continue
-            if target[:2] != ["rollout", "engine"]:
-                continue
-            names = [target[2]] if len(target) > 2 else [a.name for a in node.names]
-            for name in names:
-                kind = name if (ENGINE / name).is_dir() else "(engine top)"
-                if kind != room:
-                    arrows.setdefault((room, kind), set()).add(str(path.relative_to(ROOT.parent)))
-    return arrows
+    return room_arrows(ENGINE, "(engine top)", with_top=False)
 
 
 def test_the_engine_is_rooms_with_one_way_arrows():
@@ -346,29 +335,7 @@ MAX_SERVER_TOP_LEVEL_MODULES = 8
 
 def server_arrows() -> dict[tuple[str, str], set[str]]:
     """(importing subpackage, imported subpackage or "(top)") -> the files that import across, inside rollout/server."""
-    arrows: dict[tuple[str, str], set[str]] = {}
-    for path in sorted(SERVER.rglob("*.py")):
-        parts = path.relative_to(ROOT.parent).with_suffix("").parts  # ("rollout", "server", "completions", "chat")
-        if len(parts) < 4:
-            continue  # the server's top modules may import anything of the server
-        here = list(parts[:-1])
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if not isinstance(node, ast.ImportFrom):
-                continue
-            if node.level:
-                target = here[: len(here) - node.level + 1] + (node.module.split(".") if node.module else [])
-            elif node.module:
-                target = node.module.split(".")
-            else:
-                continue
-            if target[:2] != ["rollout", "server"]:
-                continue
-            names = [target[2]] if len(target) > 2 else [a.name for a in node.names]
-            for name in names:
-                kind = name if (SERVER / name).is_dir() else "(top)"
-                if kind != parts[2]:
-                    arrows.setdefault((parts[2], kind), set()).add(str(path.relative_to(ROOT.parent)))
-    return arrows
+    return room_arrows(SERVER, "(top)", with_top=False)
 
 
 def test_the_server_top_level_holds_at_most_8_modules():

@@ -107,7 +107,6 @@ class WeightFence:
                             raise
             yield
 
-
     @property
     def is_held(self) -> bool:
         return self._on_hold

@@ -65,7 +65,6 @@ class Supervisor:
                 self._submit([sample])
             self._cond.notify_all()
 
-
     def _restart(self) -> None:
         """Replace a dead manager with a fresh one (fresh cache); what it held is queued for re-running. Logged on
         the "rollout" logger with the error that killed the engine thread."""
