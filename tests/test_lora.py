@@ -160,7 +160,10 @@ def test_drafted_rows_on_a_peft_policy_equal_plain_ones_merged_or_not(tiny_path,
         counts = worker.engine.speculation
     assert counts.accepted > 0 and counts.rolled_back > 0
     assert torch.equal(drafted.completion_ids, plain.completion_ids)
-    assert float((drafted.logprobs - plain.logprobs).abs().max()) <= 1e-5
+    # a verify step's forward has other shapes than a decode step's, so its products sum in another order: each run is
+    # held to the reference, and the two to twice fp32's 1e-5 (1.0e-5 apart on an AVX2 EPYC, under 1e-5 on AVX-512)
+    assert float((drafted.logprobs - plain.logprobs).abs().max()) <= 2e-5
+    assert_rows_match(policy, plain)
     assert_rows_match(policy, drafted)
 
 
