@@ -11,6 +11,15 @@ Under vLLM's endpoint names (its RLHF router, `vllm/entrypoints/serve/rlhf`, and
                                          of that group, one per name (vLLM's NCCL engine, unpacked); or
                                          {"weight_dir": DIR} (prime-rl's body): a safetensors checkpoint directory
     POST /update_weights_from_disk       {"model_path": DIR} (SGLang's name, which slime and AReaL call)
+
+and SGLang's names for the same operations (its `http_server.py`, as AReaL's SGLangBackend and slime call them):
+
+    POST /pause_generation               {"mode"?: "abort" | "retract" | "in_place"}: /pause (abort; retract and
+                                         in_place both freeze what is in flight with its KV: "keep")
+    POST /continue_generation            /resume
+    POST /release_memory_occupation      {"tags"?: [...]}: /sleep (the KV cache, step buffers and CUDA graphs)
+    POST /resume_memory_occupation       {"tags"?: [...]}: /wake_up, unless the tags name only "weights" (they never
+                                         left the device: nothing to do)
     GET  /get_weight_version             {"weight_version": "N", "policy_version": N, "weights_fingerprint": "..."}
 
 Where the tensors come from: transfer.py.
@@ -42,6 +51,12 @@ LOG = logging.getLogger("rollout")
 PAUSE_MODES = ("abort", "wait", "keep")  # vLLM's; the worker also has "recompute", which only an update can mean
 UPDATE = ("version", "in_flight")  # what every update body may add to its source
 SGLANG = ("weight_version", "abort_all_requests", "flush_cache")  # /update_weights_from_disk's fields that mean here
+# SGLang's pause modes -> the worker's: "in_place" keeps requests and their KV; "retract" (SGLang frees their KV and
+# recomputes it on continue) is frozen in place here too: an update while paused recomputes them anyway
+SGLANG_PAUSE = {"abort": "abort", "retract": "keep", "in_place": "keep"}
+# SGLang's memory tags: what each means here. The KV cache and the CUDA graphs are freed together (worker.sleep());
+# the weights never leave the device
+MEMORY_TAGS = ("kv_cache", "cuda_graph", "weights")
 
 
 def is_loopback(host: str) -> bool:
@@ -118,6 +133,7 @@ def mount(app: FastAPI, control: Control, key: str | None, limits: RequestLimits
     guard = [Depends(_authorizer(key))]
     _generation_routes(app, control, guard)
     _weight_routes(app, control, guard, limits)
+    _sglang_routes(app, control, guard, limits)
 
 
 def _authorizer(key: str | None) -> Callable[[Request], None]:
@@ -183,16 +199,69 @@ def _generation_routes(app: FastAPI, control: Control, guard: list) -> None:
         return {"status": "ok"}
 
 
+async def _body_of(request: Request, allowed: tuple[str, ...], limits: RequestLimits) -> dict:
+    """The JSON object a control route was sent ({} when empty), each field among `allowed` (else a 400 naming it)."""
+    body = read_json(await request.body() or b"{}", limits)
+    if not isinstance(body, dict):
+        raise bad_request(None, "the body must be a JSON object")
+    known_fields(body, allowed)
+    return body
+
+
+def _sglang_routes(app: FastAPI, control: Control, guard: list, limits: RequestLimits) -> None:
+    """SGLang's names for pause / resume and sleep / wake (AReaL's SGLangBackend, slime)."""
+
+    @app.post("/pause_generation", dependencies=guard)
+    async def pause_generation(request: Request) -> dict:
+        mode = (await _body_of(request, ("mode",), limits)).get("mode", "abort")
+        if mode not in SGLANG_PAUSE:
+            raise bad_request("mode", f"mode={mode!r} is invalid: must be one of {tuple(SGLANG_PAUSE)} (SGLang's). "
+                              "Fix: 'abort' re-runs requests in flight after /continue_generation, 'in_place' freezes "
+                              "them")
+        await control.run(control.method("pause"), SGLANG_PAUSE[mode])
+        return {"status": "paused", "mode": mode}
+
+    @app.post("/continue_generation", dependencies=guard)
+    async def continue_generation(request: Request) -> dict:
+        await _body_of(request, ("torch_empty_cache",), limits)  # SGLang's option; the worker's wake decides
+        await control.run(control.method("resume"))
+        return {"status": "resumed"}
+
+    @app.post("/release_memory_occupation", dependencies=guard)
+    async def release_memory_occupation(request: Request) -> dict:
+        tags = _tags(await _body_of(request, ("tags",), limits))
+        if tags == {"weights"}:
+            raise bad_request("tags", "tags=['weights'] is invalid: the weights stay on the device here (the trainer "
+                              "shares or updates them in place). Fix: release 'kv_cache' (or send no tags), which "
+                              "frees the KV cache, step buffers and CUDA graphs")
+        await control.run(control.sleep)
+        return {"success": True, "message": "KV cache, step buffers and CUDA graphs released; weights kept"}
+
+    @app.post("/resume_memory_occupation", dependencies=guard)
+    async def resume_memory_occupation(request: Request) -> dict:
+        tags = _tags(await _body_of(request, ("tags",), limits))
+        if tags != {"weights"}:  # the weights never left: "weights" alone has nothing to bring back
+            await control.run(control.method("wake"))
+        return {"success": True, "is_sleeping": bool(getattr(control.rollouts, "is_sleeping", False))}
+
+
+def _tags(body: dict) -> set[str]:
+    """SGLang's memory tags (None: all of them), each one it names."""
+    tags = body.get("tags")
+    if tags is None:
+        return set(MEMORY_TAGS)
+    if not isinstance(tags, list) or not tags or not all(isinstance(t, str) and t in MEMORY_TAGS for t in tags):
+        raise bad_request("tags", f"tags={tags!r} is invalid: must be a non-empty list among {MEMORY_TAGS} (SGLang's), "
+                          "or left out for all")
+    return set(tags)
+
+
 def _weight_routes(app: FastAPI, control: Control, guard: list, limits: RequestLimits) -> None:
     """Updates from a checkpoint directory or a trainer's group, and the version they made."""
     rollouts = control.rollouts
 
     async def body_of(request: Request, allowed: tuple[str, ...]) -> dict:
-        body = read_json(await request.body() or b"{}", limits)
-        if not isinstance(body, dict):
-            raise bad_request(None, "the body must be a JSON object")
-        known_fields(body, allowed)
-        return body
+        return await _body_of(request, allowed, limits)
 
     @app.get("/get_weight_version", dependencies=guard)
     async def weight_version() -> dict:
