@@ -140,14 +140,14 @@ def test_a_bad_generate_body_is_a_400_naming_the_field_as_sglang_spells_it(serve
     assert worker.metrics().prompt_tokens == prompted  # nothing reached the engine
 
 
-def test_sglang_pause_continue_and_memory_routes_map_to_pause_resume_sleep_wake(served):
+def test_sglang_pause_continue_and_memory_routes_map_to_pause_resume_sleep_wake(served, slow_steps):
     worker, server = served
     assert post(server, "/pause_generation", {"mode": "abort"}, key=None)[0] == 401
     assert post(server, "/release_memory_occupation", {}, key="user")[0] == 403
     status, out = post(server, "/pause_generation", {"mode": "sideways"})
     assert status == 400 and out["error"]["param"] == "mode" and not worker.is_paused
     answers: list = []
-    payload = areal_payload(PROMPT, 120, [], sampling_seed=2, ignore_eos=True)
+    payload = areal_payload(PROMPT, 40, [], sampling_seed=2, ignore_eos=True)  # > 1.2 s with slow_steps
     caller = threading.Thread(target=lambda: answers.append(post(server, "/generate", payload)))
     caller.start()
     wait_for_tokens(worker, 2)  # the pause lands mid-generation
@@ -157,8 +157,8 @@ def test_sglang_pause_continue_and_memory_routes_map_to_pause_resume_sleep_wake(
     caller.join(60)
     (status, response), = answers
     tokens, logprobs, stop_reason = areal_parse(response)
-    assert status == 200 and stop_reason == "length" and len(tokens) == 120  # re-run whole, not SGLang's abort
-    assert tokens == worker.generate([PROMPT], SamplingParams(max_new_tokens=120, seed=2, ignore_eos=True,
+    assert status == 200 and stop_reason == "length" and len(tokens) == 40  # re-run whole, not SGLang's abort
+    assert tokens == worker.generate([PROMPT], SamplingParams(max_new_tokens=40, seed=2, ignore_eos=True,
                                                               stop_token_ids=())).completion_token_lists()[0]
     full, _ = reference_logprobs(worker.model, PROMPT, tokens)
     assert float((torch.tensor(logprobs) - full).abs().max()) <= TOL
