@@ -126,3 +126,22 @@ def test_include_stop_str_in_output_on_the_token_route_returns_the_stop_strings_
     status, out = post(server, "/inference/v1/generate", {"token_ids": PROMPT, "sampling_params": {
         "include_stop_str_in_output": "yes"}})
     assert status == 400 and out["error"]["param"] == "sampling_params.include_stop_str_in_output", out
+
+
+def test_skyrl_remote_client_generate_body_is_answered_as_it_parses_it(served):
+    worker, server = served
+    # RemoteInferenceClient's /inference/v1/generate payload (skyrl/backends/skyrl_train/inference_servers/
+    # remote_inference_client.py) with get_vllm_sampling_params' dict (engine_utils.py) at SkyRL's SamplingParams
+    # defaults (skyrl/train/config/config.py: top_k -1, logprobs 1, stop None)
+    sampling_params = {"min_tokens": 1, "skip_special_tokens": True, "include_stop_str_in_output": True,
+                       "max_tokens": 7, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "logprobs": 1,
+                       "stop": None}
+    status, response = post(server, "/inference/v1/generate", {"sampling_params": sampling_params, "model": "tiny",
+                                                               "token_ids": PROMPT})
+    assert status == 200, response
+    choice = response["choices"][0]
+    token_ids, stop_reason = choice["token_ids"], choice["finish_reason"]
+    response_logprobs = [info["logprob"] for info in choice["logprobs"]["content"]]
+    assert stop_reason in ("stop", "length") and 1 <= len(token_ids) <= 7 and len(response_logprobs) == len(token_ids)
+    full, _ = reference_logprobs(worker.model, PROMPT, token_ids)
+    assert float((torch.tensor(response_logprobs) - full).abs().max()) <= TOL
