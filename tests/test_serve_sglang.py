@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 import torch
-from conftest import perturbed, reference_logprobs, wait_for_tokens
+from conftest import assert_alternatives_exact, perturbed, reference_logprobs, wait_for_tokens
 from safetensors.torch import save_file
 
 import rollout
@@ -78,7 +78,8 @@ def test_areal_sglang_backend_generate_gets_the_engines_tokens_and_exact_logprob
     meta = response["meta_info"]
     assert stop_reason == "length" and meta["finish_reason"] == {"type": "length", "length": 9}
     assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(PROMPT), 9)
-    assert meta["weight_version"] == str(worker.policy_version) and meta["token_versions"] == [worker.policy_version] * 9
+    assert meta["weight_version"] == str(worker.policy_version)
+    assert meta["token_versions"] == [worker.policy_version] * 9
     assert response["text"] == worker.tokenizer.decode(tokens, skip_special_tokens=True)
     assert all(entry[2] is None for entry in meta["output_token_logprobs"])  # return_text_in_logprobs: false
 
@@ -109,12 +110,15 @@ def test_text_prompts_n_samples_stop_strings_and_top_logprobs_in_sglangs_shapes(
         assert float((torch.tensor([e[0] for e in meta["output_token_logprobs"]]) - full).abs().max()) <= TOL
         top = meta["output_top_logprobs"]
         assert len(top) == len(out["output_ids"]) and all(len(position) == 3 for position in top)
+        assert_alternatives_exact(worker.model, ids, out["output_ids"],
+                                  [[(f"token_id:{e[1]}", e[0]) for e in position] for position in top], 3, 1.0)
         for position, (logprob, token, _) in zip(top, meta["output_token_logprobs"]):
-            assert [e[0] for e in position] == sorted((e[0] for e in position), reverse=True)
-            if position[0][1] == token:  # the sampled token listed first: the same log-softmax, bit for bit
-                assert position[0][0] == logprob
-    status, kept = post(server, "/generate", body | {"sampling_params": body["sampling_params"] | {"no_stop_trim": True},
-                                                     "return_logprob": False, "top_logprobs_num": 0})
+            for listed_logprob, listed, _ in position:
+                if listed == token:  # the sampled token's own entry: the same log-softmax, bit for bit
+                    assert listed_logprob == logprob
+    untrimmed = body["sampling_params"] | {"no_stop_trim": True}
+    status, kept = post(server, "/generate", body | {"sampling_params": untrimmed, "return_logprob": False,
+                                                     "top_logprobs_num": 0})
     assert status == 200 and kept[0]["text"].endswith(stop) and "output_token_logprobs" not in kept[0]["meta_info"]
 
 

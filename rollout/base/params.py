@@ -1,8 +1,9 @@
 """Sampling parameters of one rollout request, validated before anything reaches the engine.
 
 Semantics follow `model.generate` and vLLM: `temperature=0` is greedy, `top_k=0` disables top-k (so does -1, vLLM's
-and SGLang's spelling, normalised to 0), `top_p=1.0` disables top-p, `min_p=0` disables min-p. The order (vLLM's): `logit_bias` and `min_new_tokens`, then the repetition,
-frequency and presence penalties, then temperature, min-p, top-k, and top-p on the renormalised distribution.
+and SGLang's spelling, normalised to 0), `top_p=1.0` disables top-p, `min_p=0` disables min-p. The order (vLLM's):
+`logit_bias` and `min_new_tokens`, then the repetition, frequency and presence penalties, then temperature, min-p,
+top-k, and top-p on the renormalised distribution.
 `logprobs` never see any of it (the raw logits / T); `sampling_logprobs` are of the distribution sampled.
 """
 

@@ -4,7 +4,8 @@ Under vLLM's endpoint names (its RLHF router, `vllm/entrypoints/serve/rlhf`, and
 
     POST /pause?mode=abort|wait|keep     stop generating (what is in flight: the worker's `pause(in_flight=...)`)
     POST /resume, GET /is_paused         {"is_paused": bool}
-    POST /sleep?level=1|2, POST /wake_up free / re-allocate the KV cache (weights stay, at either level); GET /is_sleeping
+    POST /sleep?level=1|2, POST /wake_up free / re-allocate the KV cache (the weights stay, at either level);
+                                         GET /is_sleeping
     POST /reset_prefix_cache             forget every cached prefix
     POST /init_weight_transfer_engine    {"init_info": {master_address, master_port, rank_offset, world_size, backend}}
     POST /update_weights                 {"update_info": {names, dtype_names, shapes}}: tensors broadcast by rank 0
@@ -199,7 +200,8 @@ def _generation_routes(app: FastAPI, control: Control, guard: list) -> None:
     async def sleep(level: int = 1, tags: list[str] | None = Query(None)) -> dict:
         if level not in SLEEP_LEVELS:
             raise bad_request("level", f"level={level} is invalid: must be 1 or 2 (vLLM's). Both free the KV cache, "
-                              "step buffers and CUDA graphs; the weights stay. Fix: use level=1 (or 2, SkyRL's default)")
+                              "step buffers and CUDA graphs; the weights stay. Fix: use level=1 (or 2, SkyRL's "
+                              "default)")
         if tags and not set(tags) <= {"weights", "kv_cache"}:
             raise bad_request("tags", f"tags={tags} is invalid: must be among 'weights', 'kv_cache' (vLLM's)")
         if tags and set(tags) == {"weights"}:

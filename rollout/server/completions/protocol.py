@@ -18,7 +18,8 @@ when the model's template never reads it. `stream_options.include_obfuscation`: 
 chunks carry no obfuscation padding).
 
 Extensions (vLLM's names where vLLM has one): `prompt_token_ids` (token ids instead of messages or a prompt),
-`top_k` (0 or -1: disabled), `stop_token_ids`, `ignore_eos`, `return_token_ids` (false drops the token-id fields of the response),
+`top_k` (0 or -1: disabled), `stop_token_ids`, `ignore_eos`, `return_token_ids` (false drops the token-id fields of
+the response),
 `return_tokens_as_token_ids` (logprobs name each token, alternatives included, "token_id:<id>" instead of its text,
 which may be ambiguous: two byte tokens both decode to "\ufffd"), `prompt_logprobs` (k: every prompt token's logprob
 and its k most likely alternatives, teacher-forced: prompts.py) and `episode_id` (or the `X-Episode-Id` header:
@@ -39,7 +40,8 @@ from ..transport.limits import RequestLimits
 from .formats import Format
 
 # Controls other servers take that this one cannot apply per request: accepted only at these values.
-NEUTRAL = {"best_of": (1,), "use_beam_search": (False,), "echo": (False,), "suffix": ("",), "parallel_tool_calls": (True,), "store": (False,),
+NEUTRAL = {"best_of": (1,), "use_beam_search": (False,), "echo": (False,), "suffix": ("",),
+           "parallel_tool_calls": (True,), "store": (False,),
            "response_format": ({"type": "text"},)}
 # the request's sampling adjustments, by SamplingParams' name (min_tokens is SamplingParams.min_new_tokens)
 ADJUSTMENTS = {"presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
