@@ -82,6 +82,10 @@ def test_areal_sglang_backend_generate_gets_the_engines_tokens_and_exact_logprob
     assert meta["token_versions"] == [worker.policy_version] * 9
     assert response["text"] == worker.tokenizer.decode(tokens, skip_special_tokens=True)
     assert all(entry[2] is None for entry in meta["output_token_logprobs"])  # return_text_in_logprobs: false
+    status, plain = post(server, "/generate", areal_payload(PROMPT, 9, [], sampling_seed=11) | {"return_logprob": None})
+    assert status == 200 and plain["output_ids"] == tokens and "output_token_logprobs" not in plain["meta_info"]
+    status, out = post(server, "/generate", areal_payload(PROMPT, 9, []) | {"return_logprob": "yes"})
+    assert status == 400 and out["error"]["param"] == "return_logprob", out
 
 
 def test_text_prompts_n_samples_stop_strings_and_top_logprobs_in_sglangs_shapes(served):

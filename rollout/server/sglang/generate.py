@@ -111,7 +111,10 @@ def _neutral(body: dict, neutral: dict[str, tuple], prefix: str) -> None:
 
 
 def _flag(body: dict, name: str) -> bool:
-    value = body.get(name, False)
+    """A boolean field; null or left out: false (SGLang's default)."""
+    value = body.get(name)
+    if value is None:
+        return False
     if not isinstance(value, bool):
         raise bad_request(name, f"{name}={value!r} is invalid: must be true or false")
     return value
