@@ -210,6 +210,66 @@ def test_skyrls_non_colocated_sync_pause_keep_fence_over_a_gloo_group_then_resum
     assert gaps[(version, "other")] > 1e-3 and gaps[(version + 10, "other")] > 1e-3, gaps
 
 
+def join_group(server) -> "dist.ProcessGroupGloo":
+    """The trainer's side of /init_weight_transfer_engine (rank 0 of a two-rank gloo group)."""
+    port = free_port()
+    info = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "backend": "gloo"}
+    joined = background(call, server, "POST", "/init_weight_transfer_engine", {"init_info": info})
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timeout)
+    group = dist.ProcessGroupGloo(store, 0, 2, timeout)
+    assert joined()[0] == 200
+    return group
+
+
+def send_packed(group, tensors: list[torch.Tensor], buffer_bytes: int) -> int:
+    """vLLM's packed broadcast as its NCCL engine's trainer side sends it (packed=True): each tensor's bytes in order,
+    a buffer broadcast once its byte count passes buffer_bytes, the rest last. Returns the broadcasts made."""
+    pending: list[torch.Tensor] = []
+    sent = 0
+    for tensor in tensors:
+        pending.append(tensor.contiguous().view(torch.uint8).view(-1))
+        if sum(t.numel() for t in pending) > buffer_bytes:
+            group.broadcast(torch.cat(pending), 0).wait()
+            pending, sent = [], sent + 1
+    if pending:
+        group.broadcast(torch.cat(pending), 0).wait()
+        sent += 1
+    return sent
+
+
+@pytest.mark.parametrize("buffer_bytes", [None, 4096])
+def test_trl_async_grpo_packed_update_inside_the_fence_lands_whole(served, versions, buffer_bytes):
+    """TRL's WeightTransferClient.send_weights (trl/experimental/async_grpo/weight_transfer.py): /start_weight_update,
+    /update_weights with the trainer's update_info (async_grpo_trainer.py: named_parameters, "packed": true) while
+    rank 0 broadcasts packed buffers, /finish_weight_update. None: vLLM's default 1 GiB buffer (one broadcast); 4096
+    bytes: many buffers, a tensor crossing each bound."""
+    worker, server = served
+    models, _ = versions
+    target = 1 if fingerprint(worker.model) == fingerprint(models[0]) else 0
+    version = int(worker.policy_version)
+    group = join_group(server)
+    params = dict(models[target].named_parameters())
+    update_info = {"names": list(params), "dtype_names": [str(p.dtype).split(".")[-1] for p in params.values()],
+                   "shapes": [list(p.shape) for p in params.values()], "packed": True}
+    if buffer_bytes is not None:
+        update_info["packed_buffer_size_bytes"] = buffer_bytes
+    assert call(server, "POST", "/start_weight_update", {"is_checkpoint_format": True})[0] == 200
+    staged = background(call, server, "POST", "/update_weights", {"update_info": update_info})
+    with torch.no_grad():
+        sent = send_packed(group, [p.detach() for p in params.values()], buffer_bytes or 1024 ** 3)
+    status, out = staged()
+    assert status == 200 and out["staged"] == len(params), out
+    assert sent == 1 if buffer_bytes is None else sent > 10
+    assert call(server, "POST", "/finish_weight_update")[1]["policy_version"] == version + 1
+    assert fingerprint(worker.model) == fingerprint(models[target])
+    tokens, logprobs, token_versions = sample(server)
+    assert token_versions == [version + 1] * 8
+    assert_made_by(models[target], tokens, logprobs)
+    status, out = call(server, "POST", "/update_weights", {"update_info": update_info | {"packed": "yes"}})
+    assert status == 400 and out["error"]["param"] == "update_info.packed", out
+
+
 def _names(path: str) -> list[str]:
     from safetensors import safe_open
 

@@ -9,7 +9,8 @@ Under vLLM's endpoint names (its RLHF router, `vllm/entrypoints/serve/rlhf`, and
     POST /reset_prefix_cache             forget every cached prefix
     POST /init_weight_transfer_engine    {"init_info": {master_address, master_port, rank_offset, world_size, backend}}
     POST /update_weights                 {"update_info": {names, dtype_names, shapes}}: tensors broadcast by rank 0
-                                         of that group, one per name (vLLM's NCCL engine, unpacked); or
+                                         of that group, one per name or packed into buffers
+                                         (vLLM's NCCL engine, `packed`: transfer.py); or
                                          {"weight_dir": DIR} (prime-rl's body): a safetensors checkpoint directory
     POST /update_weights_from_disk       {"model_path": DIR} (SGLang's name, which slime and AReaL call)
 
@@ -140,8 +141,8 @@ class Control:
     def from_group(self, body: dict) -> dict:
         if self.group is None:
             raise ApiError(409, "no weight transfer group: POST /init_weight_transfer_engine first", code="conflict")
-        names, dtypes, shapes = parse_update_info(body["update_info"])
-        return self.update(self.group.receive(names, dtypes, shapes), body.get("version"), body.get("in_flight"))
+        transfer = parse_update_info(body["update_info"])
+        return self.update(self.group.receive(transfer), body.get("version"), body.get("in_flight"))
 
     def from_dir(self, body: dict, field: str) -> dict:
         return self.update(read_checkpoint(body.get(field), field), body.get("version"), body.get("in_flight"))
