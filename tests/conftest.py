@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -290,3 +292,24 @@ def assert_alternatives_exact(model, prompt, ids, alternatives, k, temperature):
     values = torch.tensor([[v for _, v in a] for a in alternatives])
     assert float((values - reference.topk(k, dim=-1).values).abs().max()) <= 3e-5  # the k largest, in order
     assert float((values - reference.gather(1, listed)).abs().max()) <= 3e-5  # each id's own logprob
+
+
+# ---------------------------------------------------------------------------------------------- admin routes
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def background(fn, *args):
+    """Run fn(*args) on a thread; returns a function that joins it and gives its result."""
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(fn(*args)))
+    thread.start()
+
+    def result():
+        thread.join(120)
+        return out[0]
+
+    result.running = thread.is_alive
+    return result

@@ -18,7 +18,8 @@ from rollout.base.errors import invalid, preview
     ({"temperature": -0.1}, "temperature=-0.1 is invalid: must be a finite number >= 0"),
     ({"temperature": float("nan")}, "temperature=nan is invalid"),
     ({"temperature": "1"}, "temperature='1' is invalid"),
-    ({"top_k": -1}, "top_k=-1 is invalid: must be an integer >= 0. Fix: use 0 to disable top-k"),
+    ({"top_k": -2}, r"top_k=-2 is invalid: must be an integer >= 0, or -1 \(disabled\). Fix: use 0 \(or -1\) to "
+                    "disable top-k"),
     ({"top_p": 0.0}, r"top_p=0.0 is invalid: must be in \(0, 1\]"),
     ({"top_p": 1.5}, "top_p=1.5 is invalid"),
     ({"max_new_tokens": 0}, "max_new_tokens=0 is invalid"),
@@ -75,8 +76,8 @@ def test_an_invalid_argument_carries_its_parts_and_its_message_is_the_documented
         "top-p."
     assert (unlocated.where, unlocated.index) == ("", None)
     with pytest.raises(InvalidArgument) as raised:
-        SamplingParams(top_k=-1)
-    assert (raised.value.field, raised.value.value, raised.value.index) == ("top_k", -1, None)
+        SamplingParams(top_k=-2)
+    assert (raised.value.field, raised.value.value, raised.value.index) == ("top_k", -2, None)
     with pytest.raises(InvalidArgument) as raised:
         WorkerConfig(in_flight="drop")
     assert (raised.value.field, raised.value.value) == ("in_flight", "drop")

@@ -329,6 +329,7 @@ SERVER_ALLOWED = {
     "completions": {"transport", "rollouts"},
     "responses": {"transport", "rollouts", "completions"},
     "admin": {"transport"},
+    "sglang": {"transport", "rollouts", "completions"},
 }
 MAX_SERVER_TOP_LEVEL_MODULES = 8
 

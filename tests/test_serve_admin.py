@@ -17,7 +17,7 @@ import openai
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import perturbed, reference_logprobs
+from conftest import background, free_port, perturbed, reference_logprobs
 from safetensors.torch import save_file
 
 import rollout
@@ -251,27 +251,6 @@ def test_an_update_broadcast_by_the_trainers_gloo_group(admin, versions):
     assert status == 400 and "'lm_head.weights'" in body["error"]["message"] and worker.policy_version == 3
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def background(fn, *args):
-    """Run fn(*args) on a thread; returns a function that joins it and gives its result."""
-    out: list = []
-    thread = threading.Thread(target=lambda: out.append(fn(*args)))
-    thread.start()
-
-    def result():
-        thread.join(120)
-        return out[0]
-
-    result.running = thread.is_alive
-    return result
-
 
 def start_long(server, worker, max_tokens: int = 64, seed: int = 3):
     """A completion started in the background, returned once the engine runs it (so a pause finds it in flight)."""
@@ -329,7 +308,7 @@ def test_sleep_wake_up_and_reset_prefix_cache_round_trips(admin, versions):
     first = complete(server)
     assert call(server, "POST", "/sleep?level=1", {}) == (200, {"status": "sleeping"})
     assert call(server, "GET", "/is_sleeping") == (200, {"is_sleeping": True}) and worker.is_sleeping
-    assert call(server, "POST", "/sleep?level=2", {})[1]["error"]["param"] == "level"
+    assert call(server, "POST", "/sleep?level=3", {})[1]["error"]["param"] == "level"
     assert call(server, "POST", "/wake_up?tags=kv_cache", {}) == (200, {"status": "awake"})
     assert call(server, "GET", "/is_sleeping") == (200, {"is_sleeping": False})
     assert complete(server) == first

@@ -1,8 +1,9 @@
 """Sampling parameters of one rollout request, validated before anything reaches the engine.
 
-Semantics follow `model.generate` and vLLM: `temperature=0` is greedy, `top_k=0` disables top-k, `top_p=1.0`
-disables top-p, `min_p=0` disables min-p. The order (vLLM's): `logit_bias` and `min_new_tokens`, then the repetition,
-frequency and presence penalties, then temperature, min-p, top-k, and top-p on the renormalised distribution.
+Semantics follow `model.generate` and vLLM: `temperature=0` is greedy, `top_k=0` disables top-k (so does -1, vLLM's
+and SGLang's spelling, normalised to 0), `top_p=1.0` disables top-p, `min_p=0` disables min-p. The order (vLLM's):
+`logit_bias` and `min_new_tokens`, then the repetition, frequency and presence penalties, then temperature, min-p,
+top-k, and top-p on the renormalised distribution.
 `logprobs` never see any of it (the raw logits / T); `sampling_logprobs` are of the distribution sampled.
 """
 
@@ -18,6 +19,7 @@ from .structured import Structured
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs; the sampler's top-k pass and each step's output hold this many
 MAX_PENALTY = 2.0  # OpenAI's bound on frequency_penalty and presence_penalty (vLLM's too)
 MAX_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+TOP_K_OFF = -1  # vLLM's and SGLang's top_k for "disabled" (verl, SkyRL, OpenRLHF send it): taken as 0
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,7 @@ class SamplingParams:
 
     n: samples per prompt (they share the prompt's prefill).
     temperature: 0 means greedy; otherwise logits are divided by it.
-    top_k: keep the k most likely tokens; 0 disables.
+    top_k: keep the k most likely tokens; 0 disables (-1, as vLLM, verl, SkyRL and OpenRLHF write it, is stored as 0).
     top_p: keep the smallest set of tokens whose probability reaches top_p; 1.0 disables.
     max_new_tokens: completion budget; a row cut by it finishes with "length".
     stop_token_ids: tokens that end a row (kept in the completion, finish "stop"); None means the model's EOS.
@@ -73,6 +75,8 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if self.top_k == TOP_K_OFF and not isinstance(self.top_k, bool):
+            object.__setattr__(self, "top_k", 0)  # vLLM's "disabled" in this project's spelling
         self._check()
         self._check_adjustments()
 
@@ -82,7 +86,9 @@ class SamplingParams:
                 or not math.isfinite(self.temperature) or self.temperature < 0:
             raise invalid("temperature", self.temperature, "must be a finite number >= 0",
                           "use 0 for greedy or a positive value such as 1.0")
-        check_int("top_k", self.top_k, 0, "use 0 to disable top-k, or a positive k")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise invalid("top_k", self.top_k, "must be an integer >= 0, or -1 (disabled)",
+                          "use 0 (or -1) to disable top-k, or a positive k")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
                 or not (0.0 < self.top_p <= 1.0):
             raise invalid("top_p", self.top_p, "must be in (0, 1]", "use 1.0 to disable top-p")

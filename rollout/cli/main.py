@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--n", type=int, metavar="N", help="samples per prompt (default 1)")
     sampling.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (default 1.0)")
     sampling.add_argument("--top-k", dest="top_k", type=int, metavar="K",
-                          help="keep the k most likely tokens; 0 = off (default)")
+                          help="keep the k most likely tokens; 0 or -1 = off (default)")
     sampling.add_argument("--top-p", dest="top_p", type=float, metavar="P",
                           help="nucleus sampling; 1.0 = off (default)")
     sampling.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, metavar="N",

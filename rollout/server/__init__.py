@@ -8,7 +8,8 @@ uvicorn (lazily: `rollout[serve]`); never the engine's internals, Ray or trainer
 each part serves, every subpackage importing only the ones below it (tests/test_layout.py checks both):
 `transport/` (OpenAI's error shape, request limits and the JSON body), `rollouts/` (the rollout side as the event
 loop sees it, rows to choices, episode recording), `completions/` (Chat Completions, Completions, and vLLM's
-token-in/token-out endpoints), `responses/` (the Responses API and its store), `admin/` (the RL control plane, only
+token-in/token-out endpoints), `responses/` (the Responses API and its store), `sglang/` (SGLang's native
+`/generate`, as AReaL and slime send it), `admin/` (the RL control plane, only
 with `--admin`: pause, sleep, weight updates, and where their tensors come from). On top: `app.py` (the FastAPI
 routes of every API) and `server.py` (the handle and `serve`). Docs: docs/serve.md.
 """

@@ -8,6 +8,7 @@
                                  DELETE /v1/responses/{id}: a stored one (responses/store.py)
     POST /inference/v1/generate  token ids in, token ids out (vLLM's shape: completions/tokens.py)
     POST /tokenize, /detokenize  the served tokenizer (vLLM's shapes)
+    POST /generate               SGLang's native generate (sglang/generate.py: AReaL's SGLangBackend, slime)
 
 Every error is OpenAI's shape (transport.errors.ApiError), unknown routes and unexpected failures included: one request never
 takes the server down; every body is read within the server's RequestLimits (transport/limits.py). With an API key, every
@@ -33,6 +34,7 @@ from .completions.service import Service
 from .responses import replies
 from .responses.store import ResponseStore
 from .responses.turns import turn_of
+from .sglang import generate as sglang
 from .transport.errors import ApiError
 from .transport.limits import read_json
 
@@ -107,6 +109,14 @@ def build_app(service: Service, api_key: str | None = None, policy_version=lambd
         request, prepared, request_id = tokens.generate_request(service, body, _headers(http))
         generation = await service.start(request, prepared)
         work = tokens.generate_response(service, request, prepared, generation, request_id)
+        return JSONResponse(await _unless_disconnected(http, work))
+
+    @app.post("/generate", dependencies=[Depends(authorize)])
+    async def sglang_generate(http: HttpRequest):
+        body = read_json(await http.body(), service.request_limits)
+        request, prepared, plan = sglang.generate_request(service, body, _headers(http))
+        generation = await service.start(request, prepared)
+        work = sglang.generate_response(service, request, prepared, generation, plan)
         return JSONResponse(await _unless_disconnected(http, work))
 
     @app.post("/tokenize", dependencies=[Depends(authorize)])

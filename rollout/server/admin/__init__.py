@@ -2,7 +2,8 @@
 sleep, weight updates, under vLLM's (and SGLang's) endpoint names.
 
 Files: `routes.py` (the routes, the key they need beyond loopback, and `Control`: each operation on the rollout side),
-`transfer.py` (where an update's tensors come from: a checkpoint directory, or a trainer's torch.distributed group).
+`transfer.py` (where an update's tensors come from: a checkpoint directory, or a trainer's torch.distributed group),
+`staging.py` (the /start_weight_update ... /finish_weight_update fence: chunks staged, applied as one update).
 May import: torch, fastapi, `base` of rollout's folders and the server's `transport`; nothing of the serving APIs
 (tests/test_layout.py checks it).
 """

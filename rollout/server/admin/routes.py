@@ -4,14 +4,29 @@ Under vLLM's endpoint names (its RLHF router, `vllm/entrypoints/serve/rlhf`, and
 
     POST /pause?mode=abort|wait|keep     stop generating (what is in flight: the worker's `pause(in_flight=...)`)
     POST /resume, GET /is_paused         {"is_paused": bool}
-    POST /sleep?level=1, POST /wake_up   free / re-allocate the KV cache (weights stay); GET /is_sleeping
+    POST /sleep?level=1|2, POST /wake_up free / re-allocate the KV cache (the weights stay, at either level);
+                                         GET /is_sleeping
     POST /reset_prefix_cache             forget every cached prefix
     POST /init_weight_transfer_engine    {"init_info": {master_address, master_port, rank_offset, world_size, backend}}
     POST /update_weights                 {"update_info": {names, dtype_names, shapes}}: tensors broadcast by rank 0
-                                         of that group, one per name (vLLM's NCCL engine, unpacked); or
+                                         of that group, one per name or packed into buffers
+                                         (vLLM's NCCL engine, `packed`: transfer.py); or
                                          {"weight_dir": DIR} (prime-rl's body): a safetensors checkpoint directory
     POST /update_weights_from_disk       {"model_path": DIR} (SGLang's name, which slime and AReaL call)
+
+and SGLang's names for the same operations (its `http_server.py`, as AReaL's SGLangBackend and slime call them):
+
+    POST /pause_generation               {"mode"?: "abort" | "retract" | "in_place"}: /pause (abort; retract and
+                                         in_place both freeze what is in flight with its KV: "keep")
+    POST /continue_generation            /resume
+    POST /release_memory_occupation      {"tags"?: [...]}: /sleep (the KV cache, step buffers and CUDA graphs)
+    POST /resume_memory_occupation       {"tags"?: [...]}: /wake_up, unless the tags name only "weights" (they never
+                                         left the device: nothing to do)
     GET  /get_weight_version             {"weight_version": "N", "policy_version": N, "weights_fingerprint": "..."}
+    GET  /get_world_size                 {"world_size": 1}: the ranks this server joins a trainer's group with
+    POST /start_weight_update            {"is_checkpoint_format"?: true}: open the fence (staging.py); until
+    POST /finish_weight_update           {"weight_version"?: "N"} every /update_weights and /update_weights_from_disk
+                                         is staged, then applied here as one update (SkyRL, TRL's async GRPO)
 
 Where the tensors come from: transfer.py.
 Every update takes `version` (default: + 1) and `in_flight` ("wait", "abort", "recompute", "keep"; default: the
@@ -36,12 +51,20 @@ from fastapi import Depends, FastAPI, Query, Request
 from ...base.errors import invalid
 from ..transport.errors import ApiError, bad_request, from_value_error
 from ..transport.limits import RequestLimits, read_json
+from .staging import Staging
 from .transfer import WeightReceiver, known_fields, parse_update_info, read_checkpoint
 
 LOG = logging.getLogger("rollout")
+SLEEP_LEVELS = (1, 2)  # vLLM's; level 2 (SkyRL's default) also discards vLLM's weights, which stay here (see /sleep)
 PAUSE_MODES = ("abort", "wait", "keep")  # vLLM's; the worker also has "recompute", which only an update can mean
 UPDATE = ("version", "in_flight")  # what every update body may add to its source
 SGLANG = ("weight_version", "abort_all_requests", "flush_cache")  # /update_weights_from_disk's fields that mean here
+# SGLang's pause modes -> the worker's: "in_place" keeps requests and their KV; "retract" (SGLang frees their KV and
+# recomputes it on continue) is frozen in place here too: an update while paused recomputes them anyway
+SGLANG_PAUSE = {"abort": "abort", "retract": "keep", "in_place": "keep"}
+# SGLang's memory tags: what each means here. The KV cache and the CUDA graphs are freed together (worker.sleep());
+# the weights never leave the device
+MEMORY_TAGS = ("kv_cache", "cuda_graph", "weights")
 
 
 def is_loopback(host: str) -> bool:
@@ -67,6 +90,7 @@ class Control:
     def __init__(self, rollouts: Any) -> None:
         self.rollouts = rollouts
         self.group: WeightReceiver | None = None
+        self.staging = Staging()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-admin")
 
     async def run(self, fn: Callable, *args) -> Any:
@@ -90,6 +114,21 @@ class Control:
             raise ApiError(409, str(error), code="conflict") from None
 
     def update(self, weights: dict[str, torch.Tensor], version: Any = None, in_flight: Any = None) -> dict:
+        """Apply `weights` now, or stage them when a /start_weight_update fence is open."""
+        if self.staging.is_open:
+            for name, value in (("version", version), ("in_flight", in_flight)):
+                if value is not None:
+                    raise bad_request(name, f"{name} belongs to /finish_weight_update while an update is staged. "
+                                      f"Fix: send {name} (or weight_version) with /finish_weight_update")
+            staged = self.staging.add(weights)
+            return {"success": True, "message": f"{len(weights)} tensors staged", "staged": staged}
+        return self.apply(weights, version, in_flight)
+
+    def finish(self, version: Any = None, in_flight: Any = None) -> dict:
+        """Apply everything staged since /start_weight_update as one update (or nothing: a 400 naming the tensor)."""
+        return self.apply(self.staging.take(), version, in_flight)
+
+    def apply(self, weights: dict[str, torch.Tensor], version: Any = None, in_flight: Any = None) -> dict:
         if in_flight is None and getattr(self.rollouts, "is_paused", False):
             in_flight = "recompute"  # waiting for requests a pause froze would never end
         new = self.rollouts.update_weights(weights, version=version, in_flight=in_flight)
@@ -102,8 +141,8 @@ class Control:
     def from_group(self, body: dict) -> dict:
         if self.group is None:
             raise ApiError(409, "no weight transfer group: POST /init_weight_transfer_engine first", code="conflict")
-        names, dtypes, shapes = parse_update_info(body["update_info"])
-        return self.update(self.group.receive(names, dtypes, shapes), body.get("version"), body.get("in_flight"))
+        transfer = parse_update_info(body["update_info"])
+        return self.update(self.group.receive(transfer), body.get("version"), body.get("in_flight"))
 
     def from_dir(self, body: dict, field: str) -> dict:
         return self.update(read_checkpoint(body.get(field), field), body.get("version"), body.get("in_flight"))
@@ -118,6 +157,7 @@ def mount(app: FastAPI, control: Control, key: str | None, limits: RequestLimits
     guard = [Depends(_authorizer(key))]
     _generation_routes(app, control, guard)
     _weight_routes(app, control, guard, limits)
+    _sglang_routes(app, control, guard, limits)
 
 
 def _authorizer(key: str | None) -> Callable[[Request], None]:
@@ -158,10 +198,17 @@ def _generation_routes(app: FastAPI, control: Control, guard: list) -> None:
         return {"is_paused": bool(getattr(rollouts, "is_paused", False))}
 
     @app.post("/sleep", dependencies=guard)
-    async def sleep(level: int = 1) -> dict:
-        if level != 1:
-            raise bad_request("level", f"level={level} is invalid: only level 1 (the KV cache is freed, the weights "
-                              "stay). Fix: use level=1, and update the weights with /update_weights")
+    async def sleep(level: int = 1, tags: list[str] | None = Query(None)) -> dict:
+        if level not in SLEEP_LEVELS:
+            raise bad_request("level", f"level={level} is invalid: must be 1 or 2 (vLLM's). Both free the KV cache, "
+                              "step buffers and CUDA graphs; the weights stay. Fix: use level=1 (or 2, SkyRL's "
+                              "default)")
+        if tags and not set(tags) <= {"weights", "kv_cache"}:
+            raise bad_request("tags", f"tags={tags} is invalid: must be among 'weights', 'kv_cache' (vLLM's)")
+        if tags and set(tags) == {"weights"}:
+            raise bad_request("tags", "tags=['weights'] is invalid: the weights stay on the device here (the trainer "
+                              "shares or updates them in place). Fix: send 'kv_cache' (or no tags), which frees the "
+                              "KV cache, step buffers and CUDA graphs")
         await control.run(control.sleep)
         return {"status": "sleeping"}
 
@@ -183,16 +230,69 @@ def _generation_routes(app: FastAPI, control: Control, guard: list) -> None:
         return {"status": "ok"}
 
 
+async def _body_of(request: Request, allowed: tuple[str, ...], limits: RequestLimits) -> dict:
+    """The JSON object a control route was sent ({} when empty), each field among `allowed` (else a 400 naming it)."""
+    body = read_json(await request.body() or b"{}", limits)
+    if not isinstance(body, dict):
+        raise bad_request(None, "the body must be a JSON object")
+    known_fields(body, allowed)
+    return body
+
+
+def _sglang_routes(app: FastAPI, control: Control, guard: list, limits: RequestLimits) -> None:
+    """SGLang's names for pause / resume and sleep / wake (AReaL's SGLangBackend, slime)."""
+
+    @app.post("/pause_generation", dependencies=guard)
+    async def pause_generation(request: Request) -> dict:
+        mode = (await _body_of(request, ("mode",), limits)).get("mode", "abort")
+        if mode not in SGLANG_PAUSE:
+            raise bad_request("mode", f"mode={mode!r} is invalid: must be one of {tuple(SGLANG_PAUSE)} (SGLang's). "
+                              "Fix: 'abort' re-runs requests in flight after /continue_generation, 'in_place' freezes "
+                              "them")
+        await control.run(control.method("pause"), SGLANG_PAUSE[mode])
+        return {"status": "paused", "mode": mode}
+
+    @app.post("/continue_generation", dependencies=guard)
+    async def continue_generation(request: Request) -> dict:
+        await _body_of(request, ("torch_empty_cache",), limits)  # SGLang's option; the worker's wake decides
+        await control.run(control.method("resume"))
+        return {"status": "resumed"}
+
+    @app.post("/release_memory_occupation", dependencies=guard)
+    async def release_memory_occupation(request: Request) -> dict:
+        tags = _tags(await _body_of(request, ("tags",), limits))
+        if tags == {"weights"}:
+            raise bad_request("tags", "tags=['weights'] is invalid: the weights stay on the device here (the trainer "
+                              "shares or updates them in place). Fix: release 'kv_cache' (or send no tags), which "
+                              "frees the KV cache, step buffers and CUDA graphs")
+        await control.run(control.sleep)
+        return {"success": True, "message": "KV cache, step buffers and CUDA graphs released; weights kept"}
+
+    @app.post("/resume_memory_occupation", dependencies=guard)
+    async def resume_memory_occupation(request: Request) -> dict:
+        tags = _tags(await _body_of(request, ("tags",), limits))
+        if tags != {"weights"}:  # the weights never left: "weights" alone has nothing to bring back
+            await control.run(control.method("wake"))
+        return {"success": True, "is_sleeping": bool(getattr(control.rollouts, "is_sleeping", False))}
+
+
+def _tags(body: dict) -> set[str]:
+    """SGLang's memory tags (None: all of them), each one it names."""
+    tags = body.get("tags")
+    if tags is None:
+        return set(MEMORY_TAGS)
+    if not isinstance(tags, list) or not tags or not all(isinstance(t, str) and t in MEMORY_TAGS for t in tags):
+        raise bad_request("tags", f"tags={tags!r} is invalid: must be a non-empty list among {MEMORY_TAGS} (SGLang's), "
+                          "or left out for all")
+    return set(tags)
+
+
 def _weight_routes(app: FastAPI, control: Control, guard: list, limits: RequestLimits) -> None:
     """Updates from a checkpoint directory or a trainer's group, and the version they made."""
     rollouts = control.rollouts
 
     async def body_of(request: Request, allowed: tuple[str, ...]) -> dict:
-        body = read_json(await request.body() or b"{}", limits)
-        if not isinstance(body, dict):
-            raise bad_request(None, "the body must be a JSON object")
-        known_fields(body, allowed)
-        return body
+        return await _body_of(request, allowed, limits)
 
     @app.get("/get_weight_version", dependencies=guard)
     async def weight_version() -> dict:
@@ -215,6 +315,26 @@ def _weight_routes(app: FastAPI, control: Control, guard: list, limits: RequestL
         if "update_info" in body:
             return await control.run(control.from_group, body)
         return await control.run(control.from_dir, body, "weight_dir")
+
+    @app.get("/get_world_size", dependencies=guard)
+    @app.get("/get_world_size/", dependencies=guard)  # TRL's VLLMClient asks with the slash
+    async def get_world_size(include_dp: bool = True) -> dict:
+        return {"world_size": 1}  # the ranks this server joins a trainer's group with (one: rank_offset)
+
+    @app.post("/start_weight_update", dependencies=guard)
+    async def start_weight_update(request: Request) -> dict:
+        body = await body_of(request, ("is_checkpoint_format",))
+        if body.get("is_checkpoint_format", True) is not True:
+            raise bad_request("is_checkpoint_format", "is_checkpoint_format=false is invalid: tensors are taken under "
+                              "the checkpoint's (model.state_dict()) names, not an engine's fused layout. Fix: send "
+                              "true (the default) with state_dict names")
+        await control.run(control.staging.open)
+        return {"message": "Weight update started"}
+
+    @app.post("/finish_weight_update", dependencies=guard)
+    async def finish_weight_update(request: Request) -> dict:
+        body = _from_sglang(await body_of(request, ("weight_version",) + UPDATE))
+        return await control.run(control.finish, body.get("version"), body.get("in_flight"))
 
     @app.post("/update_weights_from_disk", dependencies=guard)
     async def update_weights_from_disk(request: Request) -> dict:

@@ -1,12 +1,21 @@
 """Where an admin weight update's tensors come from (routes.py): a checkpoint directory on the server's disk, or a
 trainer's torch.distributed group. Both stage every tensor on this side; the rollout side's `update_weights` then
 validates them all (names, shapes, finite values) before any weight changes.
+
+Over a group, rank 0 broadcasts either one tensor per name, in order, or (`update_info.packed: true`, vLLM's NCCL
+engine's packed mode, which TRL's async GRPO sends) the same tensors as flat bytes packed into buffers: in name order,
+each buffer takes tensors until its byte count passes `packed_buffer_size_bytes` (vLLM's default 1 GiB; the tensor that
+passes it is the buffer's last), the last buffer what remains. Both sides derive the buffers from the names, dtypes
+and shapes alone, so the receiver knows each broadcast's size; `packed_num_buffers` (the sender's double buffering)
+does not change them.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,7 +24,31 @@ from ..transport.errors import ApiError, bad_request
 
 GROUP_TIMEOUT_S = 300
 INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size", "backend", "timeout_s")
-UPDATE_FIELDS = ("names", "dtype_names", "shapes", "packed")
+UPDATE_FIELDS = ("names", "dtype_names", "shapes", "packed", "packed_buffer_size_bytes", "packed_num_buffers")
+PACKED_BUFFER_BYTES = 1024 ** 3  # vLLM's DEFAULT_PACKED_BUFFER_SIZE_BYTES
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One group update as `update_info` describes it: the tensors in broadcast order, and the packed buffers' byte
+    bound (None: one broadcast per tensor)."""
+
+    names: list[str]
+    dtypes: list[torch.dtype]
+    shapes: list[list[int]]
+    packed_bytes: int | None = None
+
+    def buffers(self) -> list[list[int]]:
+        """The indices of the tensors each packed buffer holds, in broadcast order."""
+        groups: list[list[int]] = [[]]
+        size = 0
+        for i, (dtype, shape) in enumerate(zip(self.dtypes, self.shapes)):
+            groups[-1].append(i)
+            size += math.prod(shape) * dtype.itemsize
+            if size > self.packed_bytes and i < len(self.names) - 1:
+                groups.append([])
+                size = 0
+        return [g for g in groups if g]
 
 
 def known_fields(body: dict, allowed: tuple[str, ...], where: str = "") -> None:
@@ -72,16 +105,33 @@ class WeightReceiver:
                            f"({type(error).__name__}: {error}). Fix: build rank 0 (TCPStore(is_master=True), then "
                            "the process group) while this request waits", code="group_unreachable") from None
 
-    def receive(self, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]]) -> dict[str, torch.Tensor]:
-        """Every tensor, broadcast by rank 0 one per name in this order, staged before any is applied."""
+    def receive(self, transfer: Transfer) -> dict[str, torch.Tensor]:
+        """Every tensor, broadcast by rank 0 one per name in this order (or packed: see the module's docstring),
+        staged before any is applied."""
+        if transfer.packed_bytes is not None:
+            return self._receive_packed(transfer)
         out: dict[str, torch.Tensor] = {}
-        for name, dtype, shape in zip(names, dtypes, shapes):
+        for name, dtype, shape in zip(transfer.names, transfer.dtypes, transfer.shapes):
             tensor = torch.empty(shape, dtype=dtype, device=self.device)
             self.group.broadcast(tensor, 0).wait()
             out[name] = tensor
+        self._synchronize()
+        return out
+
+    def _receive_packed(self, transfer: Transfer) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for indices in transfer.buffers():
+            sizes = [math.prod(transfer.shapes[i]) * transfer.dtypes[i].itemsize for i in indices]
+            packed = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
+            self.group.broadcast(packed, 0).wait()
+            for i, part in zip(indices, packed.split(sizes)):  # each tensor's bytes, viewed as what it was
+                out[transfer.names[i]] = part.view(transfer.dtypes[i]).view(transfer.shapes[i])
+        self._synchronize()
+        return out
+
+    def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return out
 
 
 def _rendezvous(info: dict) -> tuple[str, int, int, int, datetime.timedelta]:
@@ -98,7 +148,7 @@ def _rendezvous(info: dict) -> tuple[str, int, int, int, datetime.timedelta]:
     return host, port, rank, world_size, timeout
 
 
-def parse_update_info(info: Any) -> tuple[list[str], list[torch.dtype], list[list[int]]]:
+def parse_update_info(info: Any) -> Transfer:
     """names, dtype_names, shapes, checked so that every broadcast can be received (the group stays in step with the
     trainer even when the weights then fail validation: that is a 400 after the transfer, nothing applied)."""
     if not isinstance(info, dict):
@@ -108,13 +158,27 @@ def parse_update_info(info: Any) -> tuple[list[str], list[torch.dtype], list[lis
     if not (isinstance(names, list) and isinstance(dtype_names, list) and isinstance(shapes, list)
             and len(names) == len(dtype_names) == len(shapes)):
         raise bad_request("update_info", "update_info needs names, dtype_names and shapes: lists of one length")
-    if info.get("packed"):
-        raise bad_request("update_info.packed", "packed=True is not supported: send one broadcast per tensor")
+    packed_bytes = _packing(info)
     dtypes = [_dtype(d) for d in dtype_names]
     for name, shape in zip(names, shapes):
         if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
             raise bad_request("update_info.shapes", f"the shape of {name!r}, {shape!r}, is not a list of sizes >= 0")
-    return [str(n) for n in names], dtypes, shapes
+    return Transfer([str(n) for n in names], dtypes, shapes, packed_bytes)
+
+
+def _packing(info: dict) -> int | None:
+    """The packed buffers' byte bound, or None for one broadcast per tensor."""
+    packed = info.get("packed", False)
+    if not isinstance(packed, bool):
+        raise bad_request("update_info.packed", f"packed={packed!r} is invalid: must be true or false")
+    for name, low in (("packed_buffer_size_bytes", 1), ("packed_num_buffers", 1)):
+        value = info.get(name)
+        if value is not None and (type(value) is not int or value < low):
+            raise bad_request(f"update_info.{name}", f"{name}={value!r} is invalid: must be an integer >= {low} "
+                              "(the sender's own value: both sides must agree)")
+    if not packed:
+        return None
+    return info.get("packed_buffer_size_bytes") or PACKED_BUFFER_BYTES
 
 
 def _dtype(name: Any) -> torch.dtype:

@@ -3,7 +3,9 @@
 `parse(kind, body, headers)` turns the JSON of `POST /v1/chat/completions` (kind "chat") or `POST /v1/completions`
 (kind "completion") into a `Request`, or raises an `ApiError` (400) naming the field. Nothing is silently dropped:
 an unknown field is refused as OpenAI's API refuses it, and a control the engine cannot honour (`best_of`, `suffix`,
-...) is refused unless it holds its neutral value. Chat's `response_format`, `tool_choice` and `parallel_tool_calls`
+...) is refused unless it holds its neutral value (vLLM's `use_beam_search: false`, which RL frameworks send by
+default, is accepted; `true` is refused by name). `model` may be left out (vLLM's is optional, AReaL's
+VLLMBackend sends none): the served model. Chat's `response_format`, `tool_choice` and `parallel_tool_calls`
 are constrained decoding (formats.py).
 
 Sampling (`SamplingParams`' meaning): `presence_penalty`, `frequency_penalty`, `logit_bias` (OpenAI's), vLLM's
@@ -16,7 +18,8 @@ when the model's template never reads it. `stream_options.include_obfuscation`: 
 chunks carry no obfuscation padding).
 
 Extensions (vLLM's names where vLLM has one): `prompt_token_ids` (token ids instead of messages or a prompt),
-`top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids` (false drops the token-id fields of the response),
+`top_k` (0 or -1: disabled), `stop_token_ids`, `ignore_eos`, `return_token_ids` (false drops the token-id fields of
+the response),
 `return_tokens_as_token_ids` (logprobs name each token, alternatives included, "token_id:<id>" instead of its text,
 which may be ambiguous: two byte tokens both decode to "\ufffd"), `prompt_logprobs` (k: every prompt token's logprob
 and its k most likely alternatives, teacher-forced: prompts.py) and `episode_id` (or the `X-Episode-Id` header:
@@ -31,13 +34,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...base.params import MAX_TOP_LOGPROBS
+from ...base.params import MAX_TOP_LOGPROBS, TOP_K_OFF
 from ..transport.errors import bad_request
 from ..transport.limits import RequestLimits
 from .formats import Format
 
 # Controls other servers take that this one cannot apply per request: accepted only at these values.
-NEUTRAL = {"best_of": (1,), "echo": (False,), "suffix": ("",), "parallel_tool_calls": (True,), "store": (False,),
+NEUTRAL = {"best_of": (1,), "use_beam_search": (False,), "echo": (False,), "suffix": ("",),
+           "parallel_tool_calls": (True,), "store": (False,),
            "response_format": ({"type": "text"},)}
 # the request's sampling adjustments, by SamplingParams' name (min_tokens is SamplingParams.min_new_tokens)
 ADJUSTMENTS = {"presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
@@ -69,7 +73,7 @@ class Request:
     none: `messages` is rendered later). `max_tokens` None: whatever the context leaves."""
 
     kind: str
-    model: str
+    model: str | None  # None: left out (vLLM's and AReaL's completions omit it): the served model
     messages: list[dict] | None
     prompts: list[Any] | None
     n: int
@@ -127,8 +131,8 @@ def parse(kind: str, body: Any, headers: dict[str, str] | None = None,
             raise bad_request(name, f"{name}={value!r} is not supported: this engine cannot apply it per request. "
                               f"Fix: leave it out (or at {neutral[0]!r}).")
     model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_request("model", "model is required: the name GET /v1/models lists")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise bad_request("model", f"model={model!r} is invalid: must be the name GET /v1/models lists (or left out)")
     messages, prompts = _inputs(kind, body)
     stream = _bool(body, "stream", False)
     logprobs, top_logprobs = _logprobs(kind, body)
@@ -153,7 +157,7 @@ def parse(kind: str, body: Any, headers: dict[str, str] | None = None,
     return Request(
         kind=kind, model=model, messages=messages, prompts=prompts, n=n,
         temperature=_number(body, "temperature", 1.0, 0.0, math.inf),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True), top_k=_int(body, "top_k", 0, 0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True), top_k=_top_k(body),
         max_tokens=_max_tokens(kind, body, scores_only=echo or prompt_logprobs is not None),
         max_tokens_param="max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens",
         stop=stop, stop_token_ids=_ids(body, "stop_token_ids"),
@@ -229,6 +233,17 @@ def _int(body: dict, name: str, default: int | None, minimum: int) -> int | None
     if not _is_int(value) or value < minimum:
         raise bad_request(name, f"{name}={value!r} is invalid: must be an integer >= {minimum}")
     return value
+
+
+def _top_k(body: dict) -> int:
+    """top_k >= 0, or -1 (vLLM's and SGLang's "disabled", which verl, SkyRL and OpenRLHF send) taken as 0."""
+    if body.get("top_k") == TOP_K_OFF and _is_int(body["top_k"]):
+        return 0
+    value = body.get("top_k")
+    if value is not None and (not _is_int(value) or value < 0):
+        raise bad_request("top_k", f"top_k={value!r} is invalid: must be an integer >= 0, or -1. Fix: 0 or -1 "
+                          "disables top-k, a positive k keeps the k most likely tokens")
+    return 0 if value is None else value
 
 
 def _seed(body: dict) -> int | None:

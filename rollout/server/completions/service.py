@@ -72,7 +72,7 @@ class Service:
 
     # ------------------------------------------------------------------ checks
     def prepare(self, request: Request) -> Prepared:
-        if request.model != self.model_name:
+        if request.model is not None and request.model != self.model_name:
             raise ApiError(404, f"The model `{request.model}` does not exist. Fix: use `{self.model_name}` "
                            "(GET /v1/models)", "model", "model_not_found")
         if request.parses_tools and not self.chat.can_parse_tools:

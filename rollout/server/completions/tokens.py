@@ -30,7 +30,9 @@ from .service import Prepared, Service
 GENERATE = {"model", "token_ids", "sampling_params", "request_id", "stream", "cache_salt", "priority", "episode_id"}
 SAMPLING = {"n", "temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "stop_token_ids", "ignore_eos",
             "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
-            "min_tokens", "logit_bias"}
+            "min_tokens", "logit_bias", "include_stop_str_in_output"}
+# include_stop_str_in_output (checked as the completions field) shapes vLLM's text only: vLLM's token ids run to the
+# token that completes a stop string whatever it says, and so do this endpoint's, the stop string's tokens included
 # how vLLM writes the text or stores logprobs; this endpoint returns no text and writes logprobs one way (JSON)
 PRESENTATION = {"skip_special_tokens", "spaces_between_special_tokens", "detokenize", "flat_logprobs", "extra_args"}
 NEUTRAL = {"stream": (False,), "cache_salt": (None,), "priority": (0,)}

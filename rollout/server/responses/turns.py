@@ -82,7 +82,8 @@ def turn_of(service: Service, store: ResponseStore, body: Any, headers: dict[str
         raise bad_request("instructions", "instructions must be a string")
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
     try:
-        request = parse("chat", _chat_body(body, messages), headers, service.request_limits)
+        request = parse("chat", {"model": service.model_name} | _chat_body(body, messages), headers,
+                        service.request_limits)
         prompt = _prompt(service, request, previous)
         request = dataclasses.replace(request, messages=None, prompts=[prompt])
         prepared = service.prepare(request)
