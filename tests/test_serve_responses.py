@@ -238,6 +238,43 @@ def test_reasoning_comes_out_as_a_reasoning_item_and_goes_back_in_as_the_turns_r
     assert error.value.param == "input[0].encrypted_content"
 
 
+def test_include_encrypted_reasoning_as_inspect_ai_sends_it_is_accepted(served, tok):
+    _, _, client = served
+    # inspect-ai's openai/ provider (its Responses default): store false, encrypted reasoning asked for
+    r = respond(client, max_output_tokens=4, store=False, include=["reasoning.encrypted_content"] + LOGPROBS,
+                extra_body={"seed": 1})
+    assert r.status == "incomplete" and [item.type for item in r.output] == ["message"]  # no reasoning here
+    assert r.model_extra["prompt_token_ids"] == rendered(tok, USER) and len(r.model_extra["token_logprobs"]) == 4
+    # a reasoning item comes with its text and no encrypted_content, and goes back in that way
+    back = respond(client, max_output_tokens=2, store=False, include=["reasoning.encrypted_content"],
+                   input=[{"role": "user", "content": "hi"}, {"type": "reasoning", "summary": [],
+                          "encrypted_content": None, "content": [{"type": "reasoning_text", "text": "hm"}]},
+                          {"role": "assistant", "content": "ok"}, {"role": "user", "content": "again"}])
+    assert back.status == "incomplete"
+
+
+def test_reasoning_effort_renders_into_the_template_and_is_refused_where_chat_refuses_it(served, tok):
+    _, _, client = served
+    with pytest.raises(openai.BadRequestError) as chat_error:
+        chat(client, max_tokens=2, reasoning_effort="low")
+    with pytest.raises(openai.BadRequestError) as error:  # this template never reads it: refused, not dropped
+        respond(client, max_output_tokens=2, reasoning={"effort": "low"})
+    assert chat_error.value.body["param"] == "reasoning_effort" and error.value.body["param"] == "reasoning.effort"
+    assert error.value.body["message"] == chat_error.value.body["message"].replace("reasoning_effort",
+                                                                                   "reasoning.effort")
+    template = tok.chat_template
+    tok.chat_template = "{% if reasoning_effort is defined %}<|system|>effort {{ reasoning_effort }}<|end|>" \
+                        "{% endif %}" + template
+    try:  # a template that reads it: rendered with it, as chat renders it
+        r = respond(client, max_output_tokens=2, reasoning={"effort": "low"})
+        c = chat(client, max_tokens=2, reasoning_effort="low")
+        expected = tok.apply_chat_template(USER, add_generation_prompt=True, return_dict=False, reasoning_effort="low")
+        assert r.model_extra["prompt_token_ids"] == c.model_extra["prompt_token_ids"] == expected
+        assert expected != rendered(tok, USER)
+    finally:
+        tok.chat_template = template
+
+
 # ---------------------------------------------------------------------------------------------- the misleading cases
 def test_tool_choice_none_renders_no_tools(served, tok):
     _, _, client = served
