@@ -297,6 +297,10 @@ def test_a_turn_cut_after_a_complete_call_keeps_that_call(served, tok):
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     [item] = r.output
     assert item.type == "function_call" and json.loads(item.arguments) == {"a": 1, "b": 2}
+    events = events_of(respond(client, input=TWICE_ASK[0]["content"], tools=[ADD_R], temperature=0,
+                               max_output_tokens=budget, stream=True))
+    assert events[-1].type == "response.incomplete" and events[-1].response.output[0].arguments == item.arguments
+    assert [e.item.type for e in events if e.type == "response.output_item.done"] == ["function_call"]
     assert_exact(worker.model, r.model_extra["prompt_token_ids"], r.model_extra["token_ids"],
                  r.model_extra["token_logprobs"])
 

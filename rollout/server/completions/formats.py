@@ -65,8 +65,8 @@ class Format:
             if not self.forces_call and alternative is None:
                 return None
             if markup is None:
-                field, fix = ("response_format", "send tool_choice=\"none\" (the format alone)") if alternative \
-                    else ("tool_choice", "send tool_choice=\"auto\"")
+                field, fix = ("response_format", "send tool_choice=\"none\" (the format alone)") \
+                    if alternative is not None else ("tool_choice", "send tool_choice=\"auto\"")
                 raise bad_request(field, f"{field} with tools needs the template's tool-call markup (the calls are "
                                   "constrained in it): this tokenizer's response_template has no JSON tool_calls "
                                   f"field. Fix: {fix}")

@@ -6,14 +6,15 @@ A Responses body is translated into a chat body and checked by the chat path's o
 sampling fields, limits and refusals are the chat path's; an error names the field as the Responses body spells it
 (`max_output_tokens`, `input`, `text.format`, ...). The messages are `instructions` (a system message), the stored
 conversation of `previous_response_id` (its instructions left out, as OpenAI does), then `input` (items.py). The
-prompt is rendered by the chat template, or, when the turn continues a stored response with the same instructions
-and tools, built from that response's prompt + the tokens the model sampled + the rendering of the new messages
+prompt is rendered by the chat template (with `reasoning.effort` as chat's `reasoning_effort`, refused where the
+template never reads it), or, when the turn continues a stored response with the same instructions and tools and
+asks no effort, built from that response's prompt + the tokens the model sampled + the rendering of the new messages
 (ChatFormat.continuation): the history is never re-tokenized, and the engine's prefix cache serves it.
 
 Fields with no meaning on this server are refused by name: built-in tools, `background`, `conversation`, `prompt`
 (stored prompt templates), `reasoning.summary`, `max_tool_calls`, `truncation: "auto"`, `include` other than
 `message.output_text.logprobs` and `reasoning.encrypted_content`, `stream_options.include_obfuscation: true`.
-`reasoning.encrypted_content` (what inspect-ai and openai-agents send with `store: false`) is accepted: reasoning
+`reasoning.encrypted_content` (what inspect-ai's `openai/` provider sends with `store: false`) is accepted: reasoning
 items carry their text as `reasoning_text` content and no `encrypted_content`, and come back in `input` that way.
 """
 
