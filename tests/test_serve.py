@@ -198,9 +198,14 @@ def test_top_logprobs_are_the_exact_alternatives_whole_streamed_and_in_completio
     done = client.completions.create(model="tiny", prompt="the cat", max_tokens=6, logprobs=3, seed=2,
                                      extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
     c = done.choices[0]
-    assert_alternatives_exact(worker.model, c.model_extra["prompt_token_ids"], c.model_extra["token_ids"],
-                              [list(d.items()) for d in c.logprobs.top_logprobs], 3, 1.0)
-    assert c.logprobs.text_offset == [len(tok.decode(c.model_extra["token_ids"][:i])) for i in range(6)]
+    ids = c.model_extra["token_ids"]
+    assert_alternatives_exact(worker.model, c.model_extra["prompt_token_ids"], ids,
+                              [list(d.items())[:3] for d in c.logprobs.top_logprobs], 3, 1.0)
+    for token, value, top in zip(ids, c.logprobs.token_logprobs, c.logprobs.top_logprobs):
+        listed = f"token_id:{token}" in list(top)[:3]  # else added after the top 3 (OpenAI's k + 1)
+        assert top[f"token_id:{token}"] == value and len(top) == (3 if listed else 4)
+    assert c.logprobs.text_offset == [len(tok.decode(ids[:i], skip_special_tokens=True).rstrip("\ufffd"))
+                                      for i in range(6)]
     plain = chat(client, max_tokens=3, logprobs=True)  # text names; no alternatives unless asked
     assert all(t.top_logprobs == [] and not t.token.startswith("token_id:") for t in plain.choices[0].logprobs.content)
 

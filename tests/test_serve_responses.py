@@ -26,13 +26,17 @@ BROKEN = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 4}</tool_call>' 
 TALK_ASK = [{"role": "user", "content": "hello there friend, say something and then add"}]
 TALK = "Let me add them."
 TALK_CALL = TALK + ' <tool_call>{"name": "add", "arguments": {"a": 2, "b": 5}}</tool_call><|end|>'
+TWICE_ASK = [{"role": "user", "content": "add twice"}]
+FIRST = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+TWICE = FIRST + '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call><|end|>'
 
 
 @pytest.fixture(scope="module")
 def served(tiny_path, tok):
     model, _ = load_tiny_model(tiny_path)
     pairs = [(tok.apply_chat_template(ask, tools=[ADD], add_generation_prompt=True, return_dict=False), tok.encode(out))
-             for ask, out in ((USER, CALL), (BROKEN_ASK, BROKEN + "<|end|>"), (TALK_ASK, TALK_CALL))]
+             for ask, out in ((USER, CALL), (BROKEN_ASK, BROKEN + "<|end|>"), (TALK_ASK, TALK_CALL),
+                              (TWICE_ASK, TWICE))]
     teach(model, pairs, steps=80)
     with serving(model, tok) as handles:
         yield handles
@@ -236,6 +240,69 @@ def test_reasoning_comes_out_as_a_reasoning_item_and_goes_back_in_as_the_turns_r
     with pytest.raises(Exception) as error:
         messages_of([{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}])
     assert error.value.param == "input[0].encrypted_content"
+
+
+def test_include_encrypted_reasoning_as_inspect_ai_sends_it_is_accepted(served, tok):
+    _, _, client = served
+    # inspect-ai's openai/ provider (its Responses default): store false, encrypted reasoning asked for
+    r = respond(client, max_output_tokens=4, store=False, include=["reasoning.encrypted_content"] + LOGPROBS,
+                extra_body={"seed": 1})
+    assert r.status == "incomplete" and [item.type for item in r.output] == ["message"]  # no reasoning here
+    assert r.model_extra["prompt_token_ids"] == rendered(tok, USER) and len(r.model_extra["token_logprobs"]) == 4
+    # a reasoning item comes with its text and no encrypted_content, and goes back in that way
+    back = respond(client, max_output_tokens=2, store=False, include=["reasoning.encrypted_content"],
+                   input=[{"role": "user", "content": "hi"}, {"type": "reasoning", "summary": [],
+                          "encrypted_content": None, "content": [{"type": "reasoning_text", "text": "hm"}]},
+                          {"role": "assistant", "content": "ok"}, {"role": "user", "content": "again"}])
+    assert back.status == "incomplete"
+
+
+def test_reasoning_effort_renders_into_the_template_and_is_refused_where_chat_refuses_it(served, tok):
+    _, _, client = served
+    with pytest.raises(openai.BadRequestError) as chat_error:
+        chat(client, max_tokens=2, reasoning_effort="low")
+    with pytest.raises(openai.BadRequestError) as error:  # this template never reads it: refused, not dropped
+        respond(client, max_output_tokens=2, reasoning={"effort": "low"})
+    assert chat_error.value.body["param"] == "reasoning_effort" and error.value.body["param"] == "reasoning.effort"
+    assert error.value.body["message"] == chat_error.value.body["message"].replace("reasoning_effort",
+                                                                                   "reasoning.effort")
+    template = tok.chat_template
+    tok.chat_template = "{% if reasoning_effort is defined %}<|system|>effort {{ reasoning_effort }}<|end|>" \
+                        "{% endif %}" + template
+    try:  # a template that reads it: rendered with it, as chat renders it
+        r = respond(client, max_output_tokens=2, reasoning={"effort": "low"})
+        c = chat(client, max_tokens=2, reasoning_effort="low")
+        expected = tok.apply_chat_template(USER, add_generation_prompt=True, return_dict=False, reasoning_effort="low")
+        assert r.model_extra["prompt_token_ids"] == c.model_extra["prompt_token_ids"] == expected
+        assert expected != rendered(tok, USER)
+    finally:
+        tok.chat_template = template
+
+
+def test_a_turn_cut_after_a_complete_call_keeps_that_call(served, tok):
+    worker, _, client = served
+    asked = dict(messages=TWICE_ASK, tools=[ADD], temperature=0)
+    whole = chat(client, max_tokens=len(tok.encode(TWICE)) + 2, **asked).choices[0]
+    assert tok.decode(whole.model_extra["token_ids"]) == TWICE and len(whole.message.tool_calls) == 2
+    budget = len(tok.encode(FIRST)) + 5  # the second call cut mid-way
+    cut = chat(client, max_tokens=budget, **asked).choices[0]
+    assert cut.finish_reason == "length" and cut.model_extra["token_ids"] == whole.model_extra["token_ids"][:budget]
+    [call] = cut.message.tool_calls
+    assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 1, "b": 2}
+    assert cut.message.content is None and "tool_call_error" not in cut.model_extra
+    last = list(chat(client, max_tokens=budget, stream=True, **asked))[-1]
+    assert last.choices[0].finish_reason == "length" and len(last.choices[0].delta.tool_calls) == 1
+    r = respond(client, input=TWICE_ASK[0]["content"], tools=[ADD_R], temperature=0, max_output_tokens=budget,
+                include=LOGPROBS)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    [item] = r.output
+    assert item.type == "function_call" and json.loads(item.arguments) == {"a": 1, "b": 2}
+    events = events_of(respond(client, input=TWICE_ASK[0]["content"], tools=[ADD_R], temperature=0,
+                               max_output_tokens=budget, stream=True))
+    assert events[-1].type == "response.incomplete" and events[-1].response.output[0].arguments == item.arguments
+    assert [e.item.type for e in events if e.type == "response.output_item.done"] == ["function_call"]
+    assert_exact(worker.model, r.model_extra["prompt_token_ids"], r.model_extra["token_ids"],
+                 r.model_extra["token_logprobs"])
 
 
 # ---------------------------------------------------------------------------------------------- the misleading cases

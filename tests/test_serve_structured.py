@@ -96,12 +96,41 @@ def test_parallel_tool_calls_false_with_auto_is_taken(served):
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+def test_tools_next_to_a_response_format_give_a_call_or_the_formats_json(served, tok):
+    model, client, _ = served
+    call = str(tok.convert_tokens_to_ids("<tool_call>"))
+    asked = dict(tools=[ADD], response_format=SCHEMA_FORMAT, n=4, temperature=1.0, seed=5, max_tokens=120,
+                 logprobs=True, parallel_tool_calls=False)  # one call (else a pushed <tool_call> opens call after call)
+    calls = chat(client, logit_bias={call: 100}, **asked)  # the model's own choice, pushed to each branch
+    brace = str(tok.convert_tokens_to_ids("{"))
+    answers = chat(client, logit_bias={brace: 100}, **asked)  # (the markup can also be spelled in characters)
+    for c in calls.choices:
+        assert c.finish_reason == "tool_calls" and c.message.content is None and c.message.tool_calls
+        for made in c.message.tool_calls:
+            jsonschema.validate(json.loads(made.function.arguments), ADD["function"]["parameters"])
+    for c in answers.choices:
+        assert c.finish_reason == "stop" and c.message.tool_calls is None
+        jsonschema.validate(json.loads(c.message.content), PERSON)
+    for c in calls.choices[:1] + answers.choices[:1]:  # the mask changes what is sampled, never the logprobs
+        full, _ = reference_logprobs(model, calls.model_extra["prompt_token_ids"], c.model_extra["token_ids"])
+        got = torch.tensor([entry.logprob for entry in c.logprobs.content])
+        assert float((got - full).abs().max()) < 1e-5
+    # openai-agents' Agent(tools=[...], output_type=Person): Responses with tools and text.format json_schema
+    r = client.responses.create(model="tiny", input="who is it", max_output_tokens=120, temperature=1.0,
+                                tools=[{"type": "function", "name": "add", "parameters": ADD["function"]["parameters"],
+                                        "strict": True}],
+                                text={"format": {"type": "json_schema", "name": "final_output", "schema": PERSON,
+                                                 "strict": True}}, extra_body={"logit_bias": {brace: 100}})
+    assert r.status == "completed" and [item.type for item in r.output] == ["message"]
+    jsonschema.validate(json.loads(r.output_text), PERSON)
+
+
 @pytest.mark.parametrize("kwargs, param", [
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}),
      "response_format.json_schema.schema"),
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format.json_schema"),
     (dict(response_format={"type": "xml"}), "response_format"),
-    (dict(response_format={"type": "json_object"}, tools=[ADD]), "response_format"),
+    (dict(response_format={"type": "json_object"}, tools=[ADD], tool_choice="required"), "response_format"),
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
           tool_choice="required"), "tools[0].function.parameters"),
     (dict(tool_choice="required"), "tool_choice"),

@@ -93,9 +93,11 @@ def test_lm_eval_loglikelihood_request_gets_exact_prompt_logprobs_and_greedy_fla
         assert abs(lp["token_logprobs"][-1] - float(full[0])) <= TOL
         logp = reference(worker.model, prompt)
         for pos, top in enumerate(lp["top_logprobs"][1:len(prompt)]):
-            (name, value), = top.items()
+            name, value = next(iter(top.items()))  # the most likely first; the prompt token added when another
             assert name == tok.decode([int(logp[pos].argmax())]) and abs(value - float(logp[pos].max())) <= TOL
             greedy = int(logp[pos].argmax()) == prompt[pos + 1]
+            assert len(top) == (1 if greedy else 2) and top[tok.decode([prompt[pos + 1]])] == lp["token_logprobs"][
+                pos + 1]
             assert (lp["token_logprobs"][pos + 1] == value) == greedy  # lm-eval's is_greedy, bit-exact
         assert choice["text"] == tok.decode(prompt, skip_special_tokens=True) + tok.decode(generated)
         assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
@@ -193,6 +195,87 @@ def test_tokenize_detokenize_and_the_model_card(served, tok):
     assert status == 200 and card["id"] == "tiny" and card["max_model_len"] == out["max_model_len"] > 0
     status, missing = get(server, "/v1/models/other")
     assert status == 404 and missing["error"]["code"] == "model_not_found"
+
+
+def test_tokenizer_info_is_what_lm_evals_remote_tokenizer_reads(served, tok):
+    _, server = served
+    status, info = get(server, "/tokenizer_info")
+    assert status == 200
+    assert (info["eos_token"], info["bos_token"], info["pad_token"]) == ("<eos>", "<bos>", "<pad>")
+    assert info["chat_template"] == tok.chat_template and info["model_max_length"] > 0
+    # lm-eval's RemoteTokenizer.eos_token_id: /tokenize of eos_token without special tokens, first id
+    status, out = post(server, "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False})
+    assert out["tokens"][0] == tok.eos_token_id
+
+
+# ---------------------------------------------------------------------------------------------- text offsets
+def test_text_offsets_index_into_the_text_special_tokens_skipped(served, tok):
+    _, server = served
+    prompt = tok.encode("<|user|>hi there<|end|><|assistant|>")  # special tokens the text leaves out
+    body = {"model": "tiny", "prompt": prompt, "echo": True, "logprobs": 0, "max_tokens": 8, "seed": 3,
+            "ignore_eos": True}
+    status, out = post(server, "/v1/completions", body)
+    assert status == 200, out
+    choice = out["choices"][0]
+    completion, text, offsets = choice["token_ids"], choice["text"], choice["logprobs"]["text_offset"]
+    head = tok.decode(prompt, skip_special_tokens=True)
+    def before(ids, i):  # the text of the tokens before i; a token after half a character begins where it does
+        return len(tok.decode(ids[:i], skip_special_tokens=True).rstrip("\ufffd"))
+
+    expected = [before(prompt, i) for i in range(len(prompt))] + \
+        [len(head) + before(completion, i) for i in range(len(completion))]
+    assert text == head + tok.decode(completion, skip_special_tokens=True) and offsets == expected
+    assert offsets[:3] == [0, 0, 1] and offsets[6] == offsets[7] == len("hi there")  # <|user|>, <|end|>: no text
+    streamed = post_stream(server, {**body, "echo": False, "stream": True})
+    assert [o for chunk in streamed for o in (chunk["choices"][0]["logprobs"] or {}).get("text_offset", [])] == [
+        o - len(head) for o in expected[len(prompt):]]
+
+
+def post_stream(server, body) -> list[dict]:
+    request = urllib.request.Request(server.url + "/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        lines = response.read().decode().splitlines()
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+
+
+# ---------------------------------------------------------------------------------------------- top logprobs
+def test_completions_top_logprobs_add_the_chosen_token_as_openai_does(served, tok):
+    worker, server = served
+    body = {"model": "tiny", "prompt": TEXT, "logprobs": 2, "max_tokens": 12, "seed": 7, "temperature": 1.0,
+            "ignore_eos": True, "return_tokens_as_token_ids": True}
+    status, out = post(server, "/v1/completions", body)
+    assert status == 200, out
+    choice = out["choices"][0]
+    ids, lp = choice["token_ids"], choice["logprobs"]
+    prompt = choice["prompt_token_ids"]
+    with torch.no_grad():
+        logits = worker.model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1: -1].float()
+    reference = torch.log_softmax(logits, dim=-1)
+    added = 0
+    for pos, (token, value, top) in enumerate(zip(ids, lp["token_logprobs"], lp["top_logprobs"])):
+        best = reference[pos].topk(2).indices.tolist()
+        listed = [int(name.removeprefix("token_id:")) for name in top]
+        assert listed == best + ([] if token in best else [token])  # the top 2, then the chosen one if not there
+        assert top[f"token_id:{token}"] == value  # the chosen token's entry is its own logprob, bit for bit
+        assert max(abs(v - float(reference[pos, i])) for i, v in zip(listed, top.values())) <= 3e-5
+        added += token not in best
+    assert added > 0  # the untaught model samples outside its top 2 at T = 1 (seeded)
+
+
+def test_tokens_that_decode_alike_share_one_key_holding_the_most_likely():
+    from rollout.server.completions.prompts import legacy_top
+    from rollout.server.rollouts.choices import Detokenizer
+
+    class Alike:  # ids 1 and 2 decode to the same text
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join("x" if i in (1, 2) else f"<{i}>" for i in ids)
+
+    detok = Detokenizer(Alike())
+    assert legacy_top(detok, 2, -3.0, [5, 1], [-0.5, -1.0]) == {"<5>": -0.5, "x": -1.0}
+    assert legacy_top(detok, 7, -4.0, [2, 1], [-0.2, -0.9]) == {"x": -0.2, "<7>": -4.0}
+    assert legacy_top(Detokenizer(Alike(), as_ids=True), 2, -3.0, [5, 1], [-0.5, -1.0]) == {
+        "token_id:5": -0.5, "token_id:1": -1.0, "token_id:2": -3.0}
 
 
 # ---------------------------------------------------------------------------------------------- limits

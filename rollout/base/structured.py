@@ -4,9 +4,11 @@
 - `Structured.json_schema(schema, strict=True)`: a JSON value matching the schema (a dict or its JSON text);
   `strict=False` lets objects carry properties the schema does not list (xgrammar's non-strict mode);
 - `Structured.regex(pattern)`: text matching the regular expression;
-- `Structured.tool_calls(call_schema, open, close, repeats)`: tool calls in a chat template's markup, each
-  `open + JSON matching call_schema + close`; one call, or (repeats) one or more (what the server's `tool_choice`
-  "required" or a named function builds).
+- `Structured.tool_calls(call_schema, open, close, repeats, alternative=None)`: tool calls in a chat template's
+  markup, each `open + JSON matching call_schema + close`; one call, or (repeats) one or more (what the server's
+  `tool_choice` "required" or a named function builds); with `alternative` (a json_object or json_schema value),
+  either those calls or that JSON (what the server builds for tools next to a `response_format`: the agent's pattern
+  of tools plus a structured final answer).
 JSON is written as `json.dumps` and chat templates' `tojson` write it (`", "` and `": "` between items, no other
 whitespace): the style tool calls are rendered in, so what models saw; a model allowed any whitespace may write
 nothing else until its budget runs out.
@@ -48,6 +50,7 @@ class Structured:
     close: str = ""
     repeats: bool = False
     field: str = "structured"
+    alternative: "Structured | None" = None  # tool_calls: the JSON the row may write instead of the calls
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -61,6 +64,11 @@ class Structured:
                                               and self.close):
             raise invalid(f"{self.field}.open", self.open, "tool calls need the markup that opens and closes one",
                           "pass the template's markup, e.g. open='<tool_call>', close='</tool_call>'")
+        if self.alternative is not None and (self.kind != "tool_calls" or not isinstance(self.alternative, Structured)
+                                             or self.alternative.kind not in ("json_object", "json_schema")):
+            raise invalid(f"{self.field}.alternative", preview(self.alternative), "only tool calls take an "
+                          "alternative, and it must be a json_object or json_schema value",
+                          "pass alternative=Structured.json_schema(schema) (or .json_object()) to .tool_calls(...)")
         grammar_of(self)  # the grammar is built (and cached) now: a bad schema fails here
 
     @classmethod
@@ -77,9 +85,9 @@ class Structured:
 
     @classmethod
     def tool_calls(cls, call_schema: Any, open: str, close: str, repeats: bool = False,
-                   field: str = "structured") -> "Structured":
+                   field: str = "structured", alternative: "Structured | None" = None) -> "Structured":
         return cls("tool_calls", _schema_text(call_schema, field), open=open, close=close, repeats=repeats,
-                   field=field)
+                   field=field, alternative=alternative)
 
 
 def xgrammar() -> Any:
@@ -104,9 +112,11 @@ def grammar_of(structured: Structured) -> Any:
         if structured.kind != "tool_calls":
             return body
         call = xgr.Grammar.concat(_literal(xgr, structured.open), body, _literal(xgr, structured.close))
-        if not structured.repeats:
-            return call
-        return xgr.Grammar.from_ebnf(f"{call}\ncalls ::= root+", root_rule_name="calls")
+        calls = xgr.Grammar.from_ebnf(f"{call}\ncalls ::= root+", root_rule_name="calls") if structured.repeats \
+            else call
+        if structured.alternative is None:
+            return calls
+        return xgr.Grammar.union(calls, grammar_of(structured.alternative))
     except (RuntimeError, ValueError, TypeError) as error:
         what = "pattern" if structured.kind == "regex" else "schema"
         raise invalid(structured.field, preview(structured.spec), f"is not a {what} the grammar library takes: "

@@ -7,7 +7,8 @@
     POST /v1/responses           a response, or its events with "stream": true (responses/turns.py, responses/replies.py); GET and
                                  DELETE /v1/responses/{id}: a stored one (responses/store.py)
     POST /inference/v1/generate  token ids in, token ids out (vLLM's shape: completions/tokens.py)
-    POST /tokenize, /detokenize  the served tokenizer (vLLM's shapes)
+    POST /tokenize, /detokenize  the served tokenizer (vLLM's shapes); GET /tokenizer_info: its special tokens and
+                                 chat template (what lm-eval's remote tokenizer reads)
     POST /generate               SGLang's native generate (sglang/generate.py: AReaL's SGLangBackend, slime)
 
 Every error is OpenAI's shape (transport.errors.ApiError), unknown routes and unexpected failures included: one request never
@@ -126,6 +127,10 @@ def build_app(service: Service, api_key: str | None = None, policy_version=lambd
     @app.post("/detokenize", dependencies=[Depends(authorize)])
     async def detokenize(http: HttpRequest) -> dict:
         return tokens.detokenize(service, read_json(await http.body(), service.request_limits))
+
+    @app.get("/tokenizer_info", dependencies=[Depends(authorize)])
+    async def tokenizer_info() -> dict:
+        return tokens.tokenizer_info(service)
 
     return app
 

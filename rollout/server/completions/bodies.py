@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..rollouts.choices import Choice, Delta, Detokenizer, Top
-from .prompts import PromptScores, echo_logprobs, joined, vllm_prompt_logprobs
+from ..rollouts.choices import Choice, Delta, Detokenizer, IncrementalText, Top
+from .prompts import PromptScores, echo_logprobs, joined, legacy_top, vllm_prompt_logprobs
 from .protocol import Request
 
 
@@ -40,13 +40,11 @@ def chat_logprobs(ids: list[int], logprobs: list[float], detok: Detokenizer, top
     return {"content": content}
 
 
-def completion_logprobs(ids: list[int], logprobs: list[float], detok: Detokenizer, offset: int = 0,
+def completion_logprobs(ids: list[int], logprobs: list[float], detok: Detokenizer, offsets: list[int],
                         top: list[Top] | None = None) -> dict:
-    offsets, at = [], offset
-    for token in ids:
-        offsets.append(at)
-        at += len(detok.piece(token))
-    alternatives = None if top is None else [{detok.name(t): v for t, v in zip(*item)} for item in top]
+    """`offsets`: where each token's text begins in the choice's `text` (Detokenizer.offsets)."""
+    alternatives = None if top is None else [legacy_top(detok, token, value, *item)
+                                             for token, value, item in zip(ids, logprobs, top)]
     return {"tokens": [detok.name(t) for t in ids], "token_logprobs": list(logprobs), "top_logprobs": alternatives,
             "text_offset": offsets}
 
@@ -87,9 +85,11 @@ def completion_response(request: Request, rid: str, created: int, model: str, ch
         prompt_text = _prompt_text(request, c, detok) if request.echo else ""
         logprobs = None
         if request.logprobs:
-            logprobs = completion_logprobs(c.token_ids, c.logprobs, detok, len(prompt_text), c.top)
+            offsets = [len(prompt_text) + at for at in detok.offsets(c.token_ids, c.text)]
+            logprobs = completion_logprobs(c.token_ids, c.logprobs, detok, offsets, c.top)
             if request.echo:
-                prompt = echo_logprobs(c.prompt_ids, mine.first(request.top_logprobs), detok, request.top_logprobs)
+                prompt = echo_logprobs(c.prompt_ids, mine.first(request.top_logprobs), detok, request.top_logprobs,
+                                       prompt_text)
                 logprobs = joined(prompt, logprobs)
         item = {"index": c.index, "text": prompt_text + c.text, "finish_reason": c.finish_reason,
                 "logprobs": logprobs, **extensions(request, c.token_ids, c.token_versions, c)}
@@ -121,6 +121,7 @@ class Chunks:
         self.request, self.rid, self.created, self.model, self.detok = request, rid, created, model, detok
         self.object = "chat.completion.chunk" if request.kind == "chat" else "text_completion"
         self.offsets: dict[int, int] = {}  # completions: text offset of each choice so far
+        self.streamed: dict[int, tuple[list[int], IncrementalText]] = {}  # completions: each choice's ids so far
 
     def _chunk(self, choices: list[dict], **extra) -> dict:
         return {"id": self.rid, "object": self.object, "created": self.created, "model": self.model,
@@ -144,8 +145,12 @@ class Chunks:
             return self._chunk([{"index": index, "delta": body, "logprobs": lp, "finish_reason": None, **ext}])
         offset = self.offsets.get(index, 0)
         self.offsets[index] = offset + len(delta.text)
-        lp = completion_logprobs(delta.token_ids, delta.logprobs, self.detok, offset, delta.top) if req.logprobs \
-            else None
+        lp = None
+        if req.logprobs:  # offsets into the whole text streamed (a stop string cut after them can leave them past it)
+            before, decoded = self.streamed.setdefault(index, ([], IncrementalText(self.detok)))
+            offsets = self.detok.offsets(delta.token_ids, None, decoded, before)
+            before += delta.token_ids
+            lp = completion_logprobs(delta.token_ids, delta.logprobs, self.detok, offsets, delta.top)
         first = {"prompt_token_ids": prompt_ids} if req.return_token_ids and offset == 0 and delta.token_ids else {}
         return self._chunk([{"index": index, "text": delta.text, "logprobs": lp, "finish_reason": None, **ext,
                              **first}])

@@ -7,11 +7,12 @@ to an assistant message through its own `parse_response`.
   prompt.
 - `end_of_turn`: the token that closes an assistant turn in this template (`<|im_end|>`, `<|eot_id|>`, ...), found
   by rendering a one-turn chat: chat requests stop on it as well as on the model's EOS.
-- `message(ids, prompt, tools)`: the assistant message of a completion. With tools, `tokenizer.parse_response` (its
-  `response_template`) splits content and tool calls; a completion the parser rejects, or whose calls are not
+- `message(ids, prompt, tools, cut)`: the assistant message of a completion. With tools, `tokenizer.parse_response`
+  (its `response_template`) splits content and tool calls; a completion the parser rejects, or whose calls are not
   `{"name": <string>, "arguments": <object or string>}` (valid JSON of another shape), is content with its markup
   kept as the model wrote it (special tokens included, the closing end of turn left out) and a `tool_call_error`
   saying why: a call the server returns can always be sent back, and a harness can see that the model tried one.
+  A turn `max_tokens` cut inside a call keeps the calls it completed before it (the unfinished rest is left out).
 - `ContentStream`: the content of a turn with tools while it streams, read by the tokenizer's own streaming parser
   (`get_response_parser`): text streams as it comes and stops where a call begins.
 - `continuation(...)`: the next prompt of an episode built from the tokens the model actually sampled, plus the
@@ -101,9 +102,10 @@ class ChatFormat:
 
     # ------------------------------------------------------------------ ids -> message
     def message(self, ids: list[int], text: str, prompt: list[int],
-                tools: list[dict] | None) -> tuple[dict, str | None]:
+                tools: list[dict] | None, cut: bool = False) -> tuple[dict, str | None]:
         """(the assistant message of a completion, why its tool call was rejected or None). `text`: its decoded
-        text, stop strings already cut."""
+        text, stop strings already cut. `cut`: max_tokens (or the context) ended the turn: a call it cut mid-way
+        is left out, and the calls it completed before are kept."""
         if not tools:
             return {"role": "assistant", "content": text}, None
         eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -112,6 +114,9 @@ class ChatFormat:
         try:
             parsed = self.tokenizer.parse_response(ids, prefix=prompt, tools=tools)
         except ValueError as error:  # the model's call did not parse: its markup stays visible
+            complete = self._complete_calls(ids, prompt, tools) if cut else None
+            if complete is not None:
+                return complete, None
             return self._raw(ids), f"the tool call did not parse: {str(error).splitlines()[0]}"
         calls = parsed.get("tool_calls") if isinstance(parsed, dict) else None
         if not calls:
@@ -121,6 +126,26 @@ class ChatFormat:
         message = {k: v for k, v in parsed.items() if k not in ("role", "tool_calls")}
         message.setdefault("content", None)
         return {"role": "assistant", **message, "tool_calls": [openai_call(c) for c in calls]}, None
+
+    def _complete_calls(self, ids: list[int], prompt: list[int], tools: list[dict]) -> dict | None:
+        """A turn cut inside a call: the message of its tokens up to the end of its last complete call (the call
+        markup's close, as the model wrote it), when that has calls; None otherwise."""
+        markup = self.call_markup
+        close = list(self.tokenizer(markup[1], add_special_tokens=False)["input_ids"]) if markup else []
+        end = next((i + len(close) for i in range(len(ids) - len(close), -1, -1)
+                    if close and ids[i: i + len(close)] == close), None)
+        if end is None:
+            return None
+        try:
+            parsed = self.tokenizer.parse_response(ids[:end], prefix=prompt, tools=tools)
+        except ValueError:
+            return None
+        calls = parsed.get("tool_calls") if isinstance(parsed, dict) else None
+        if not calls or not all(map(_is_call, calls)):
+            return None
+        message = {k: v for k, v in parsed.items() if k not in ("role", "tool_calls")}
+        message.setdefault("content", None)
+        return {"role": "assistant", **message, "tool_calls": [openai_call(c) for c in calls]}
 
     def _raw(self, ids: list[int]) -> dict:
         """The turn as written, markup and all, without the token that closed it."""

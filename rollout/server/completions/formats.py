@@ -10,8 +10,10 @@ tool-call markup is known (`Format.structured`).
   "function": {"name": ...}} (calls of that tool). `parallel_tool_calls: false`: exactly one call when one is forced;
   at most one with "auto" (the row stops right after the first call's closing markup, a stop id when it is one
   token).
-A response format next to tools the model may call ("auto") or must call is refused by name: the output would have to
-be either, which this server does not constrain.
+A response format next to tools the model may call ("auto") constrains the turn to either: the calls (in the
+template's markup, as a forced call writes them) or the format's JSON, nothing else (openai-agents' `Agent(tools=...,
+output_type=...)`). Next to a forced call it is refused by name (the turn must be a call, never the format); so is
+one whose template has no JSON tool-call markup (the calls could not be constrained).
 """
 
 from __future__ import annotations
@@ -48,28 +50,31 @@ class Format:
             raise bad_request("parallel_tool_calls", f"parallel_tool_calls={parallel!r} is invalid: must be true or "
                               "false")
         response_format = _response_format(body.get("response_format"))
-        if response_format is not None and tools and choice != "none":
-            raise bad_request("response_format", "response_format with tools the model may call is not supported: "
-                              "the output would have to be either a call or the format. Fix: send "
-                              "tool_choice=\"none\", or leave response_format out")
+        if response_format is not None and tools and choice in ("required", "function"):
+            raise bad_request("response_format", f"response_format with tool_choice={body.get('tool_choice')!r} "
+                              "is not supported: the turn must be a call, never the format. Fix: send "
+                              "tool_choice=\"auto\" (a call or the format), or leave response_format out")
         return cls(response_format, choice, name, True if parallel is None else parallel)
 
     def structured(self, tools: list[dict] | None, markup: tuple[str, str] | None) -> Structured | None:
         """The constraint of the request's completion, or None. `markup`: the template's (open, close) of a call."""
         try:
-            if self.response_format is not None:
-                return _format_structured(self.response_format)
-            if not self.forces_call:
+            alternative = _format_structured(self.response_format) if self.response_format is not None else None
+            if alternative is not None and not tools:
+                return alternative
+            if not self.forces_call and alternative is None:
                 return None
             if markup is None:
-                raise bad_request("tool_choice", f"tool_choice={self.tool_choice!r} needs the template's tool-call "
-                                  "markup: this tokenizer's response_template has no JSON tool_calls field. Fix: "
-                                  "send tool_choice=\"auto\"")
+                field, fix = ("response_format", "send tool_choice=\"none\" (the format alone)") \
+                    if alternative is not None else ("tool_choice", "send tool_choice=\"auto\"")
+                raise bad_request(field, f"{field} with tools needs the template's tool-call markup (the calls are "
+                                  "constrained in it): this tokenizer's response_template has no JSON tool_calls "
+                                  f"field. Fix: {fix}")
             calls = [_call_schema(i, tool) for i, tool in enumerate(tools or [])
                      if self.tool_name is None or tool["function"]["name"] == self.tool_name]
             schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
             return Structured.tool_calls(schema, markup[0], markup[1], repeats=self.parallel_tool_calls,
-                                         field="tools")
+                                         field="tools", alternative=alternative)
         except InvalidArgument as error:  # "structured" itself: the grammar library is missing
             field = error.field if error.field != "structured" else \
                 "response_format" if self.response_format is not None else "tool_choice"

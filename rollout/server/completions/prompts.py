@@ -72,18 +72,26 @@ class PromptScorer:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def echo_logprobs(prompt_ids: list[int], scores: PromptScores, detok: Detokenizer, top_k: int) -> dict:
-    """The prompt's part of a legacy completions `logprobs` object (offsets from 0)."""
-    offsets, at = [], 0
-    for token in prompt_ids:
-        offsets.append(at)
-        at += len(detok.piece(token))
+def echo_logprobs(prompt_ids: list[int], scores: PromptScores, detok: Detokenizer, top_k: int, text: str) -> dict:
+    """The prompt's part of a legacy completions `logprobs` object (`text`: the prompt's text as echoed; offsets
+    index into it)."""
     top = None
     if top_k:
-        top = [None] + [{detok.name(t): v for t, v in zip(ids, values)}
-                        for ids, values in zip(scores.top_ids, scores.top_logprobs)]
+        top = [None] + [legacy_top(detok, token, value, ids, values) for token, value, ids, values
+                        in zip(prompt_ids[1:], scores.logprobs, scores.top_ids, scores.top_logprobs)]
     return {"tokens": [detok.name(t) for t in prompt_ids], "token_logprobs": [None, *scores.logprobs],
-            "top_logprobs": top, "text_offset": offsets}
+            "top_logprobs": top, "text_offset": detok.offsets(prompt_ids, text)}
+
+
+def legacy_top(detok: Detokenizer, token: int, value: float, ids: list[int], values: list[float]) -> dict:
+    """One position of the legacy `top_logprobs` (OpenAI's and vLLM's completions): the k most likely tokens, most
+    likely first, and the chosen token when it is not among them (k + 1 keys). The keys are token texts, so tokens
+    that decode alike share one key: it holds the most likely of them (return_tokens_as_token_ids names each by
+    id, and nothing collapses)."""
+    top: dict[str, float] = {}
+    for other, other_value in zip([*ids, token], [*values, value]):
+        top.setdefault(detok.name(other), other_value)
+    return top
 
 
 def joined(prompt: dict, completion: dict) -> dict:

@@ -273,9 +273,10 @@ class Service:
         for i, row in enumerate(batch.rows()):
             choice = choice_of(i, row, prepared.detok)
             if request.kind == "chat":
+                cut = choice.finish_reason == "length"
                 choice.message, choice.tool_call_error = self.chat.message(
-                    choice.token_ids, choice.text, choice.prompt_ids, rendered_tools(request))
-                if choice.message.get("tool_calls"):
+                    choice.token_ids, choice.text, choice.prompt_ids, rendered_tools(request), cut)
+                if choice.message.get("tool_calls") and not cut:  # a cut turn stays "length", as OpenAI's
                     choice.finish_reason = "tool_calls"
             choices.append(choice)
         return choices

@@ -8,6 +8,8 @@
     POST /tokenize    {"prompt", "add_special_tokens"?: true} or {"messages", "add_generation_prompt"?: true, "tools"?}
                       (+ "return_token_strs"?) -> {"count", "max_model_len", "tokens", "token_strs"}
     POST /detokenize  {"tokens": [...]} -> {"prompt"}
+    GET  /tokenizer_info  -> {"tokenizer_class", "bos_token", "eos_token", "pad_token", "unk_token", "chat_template",
+                      "model_max_length"} (what lm-eval's remote tokenizer reads)
 
 The shapes follow vLLM's `GenerateRequest` / `GenerateResponse` (vllm/entrypoints/serve/disagg/protocol.py) and
 `TokenizeCompletionRequest` / `TokenizeChatRequest` / `DetokenizeRequest`, and what renderers' `generate` (the client
@@ -122,6 +124,18 @@ def detokenize(service: Service, body: Any) -> dict:
                                             for t in ids):
         raise bad_request("tokens", f"tokens must be a list of integer token ids in [0, {vocab})")
     return {"prompt": tokenizer.decode(ids)}
+
+
+def tokenizer_info(service: Service) -> dict:
+    """vLLM's `GET /tokenizer_info`: what a client that tokenizes through the server (lm-eval's remote tokenizer,
+    its default for local-completions) reads to know the special tokens and render chats itself."""
+    tokenizer = _tokenizer(service, {}, set())
+    special = {name: getattr(tokenizer, name, None) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    template = getattr(tokenizer, "chat_template", None)
+    return {"tokenizer_class": type(tokenizer).__name__, **{k: str(v) if v is not None else None
+                                                             for k, v in special.items()},
+            "chat_template": template if isinstance(template, str) else None,
+            "model_max_length": service.limits.max_tokens}
 
 
 def _tokenizer(service: Service, body: Any, fields: set[str]) -> Any:

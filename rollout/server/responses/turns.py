@@ -6,13 +6,16 @@ A Responses body is translated into a chat body and checked by the chat path's o
 sampling fields, limits and refusals are the chat path's; an error names the field as the Responses body spells it
 (`max_output_tokens`, `input`, `text.format`, ...). The messages are `instructions` (a system message), the stored
 conversation of `previous_response_id` (its instructions left out, as OpenAI does), then `input` (items.py). The
-prompt is rendered by the chat template, or, when the turn continues a stored response with the same instructions
-and tools, built from that response's prompt + the tokens the model sampled + the rendering of the new messages
+prompt is rendered by the chat template (with `reasoning.effort` as chat's `reasoning_effort`, refused where the
+template never reads it), or, when the turn continues a stored response with the same instructions and tools and
+asks no effort, built from that response's prompt + the tokens the model sampled + the rendering of the new messages
 (ChatFormat.continuation): the history is never re-tokenized, and the engine's prefix cache serves it.
 
 Fields with no meaning on this server are refused by name: built-in tools, `background`, `conversation`, `prompt`
 (stored prompt templates), `reasoning.summary`, `max_tool_calls`, `truncation: "auto"`, `include` other than
-`message.output_text.logprobs`, `stream_options.include_obfuscation: true`.
+`message.output_text.logprobs` and `reasoning.encrypted_content`, `stream_options.include_obfuscation: true`.
+`reasoning.encrypted_content` (what inspect-ai's `openai/` provider sends with `store: false`) is accepted: reasoning
+items carry their text as `reasoning_text` content and no `encrypted_content`, and come back in `input` that way.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from .items import chat_tool_choice, chat_tools, messages_of
 from .store import ResponseStore, StoredResponse
 
 LOGPROBS = "message.output_text.logprobs"
+ENCRYPTED = "reasoning.encrypted_content"  # accepted: reasoning items carry their text instead (items.py)
 # the Responses fields, and what this server does with them (anything else: 400 "Unrecognized request argument")
 TRANSLATED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
               "parallel_tool_calls", "stream", "stream_options", "include", "top_logprobs", "text", "reasoning",
@@ -98,9 +102,10 @@ def _refuse(body: dict) -> None:
             raise bad_request(name, f"{name}={body[name]!r} is not supported by this server (it has no meaning "
                               f"here). Fix: leave it out")
     include = body.get("include") or []
-    if not isinstance(include, list) or any(i != LOGPROBS for i in include):
+    if not isinstance(include, list) or any(i not in (LOGPROBS, ENCRYPTED) for i in include):
         raise bad_request("include", f"include={include!r} is not supported: this server can include only "
-                          f"{LOGPROBS!r} (it runs no built-in tools and keeps no encrypted reasoning)")
+                          f"{LOGPROBS!r} and {ENCRYPTED!r} (it runs no built-in tools; its reasoning items carry "
+                          "their text, never encrypted)")
     _refuse_options(body)
 
 
@@ -168,6 +173,8 @@ def _response_format(text_format: Any) -> Any:
 
 def _prompt(service: Service, request: Request, previous: StoredResponse | None) -> list[int]:
     tools, messages = rendered_tools(request), request.messages
+    if request.template:  # reasoning.effort: rendered afresh with it, refused by name where the template never reads it
+        return service.chat.render(messages, tools, **request.template)
     k = len(previous.messages) + 1 if previous else 0
     if previous and previous.tools == tools and len(messages) > k and \
             normalize(messages[:k]) == normalize(previous.messages + previous.history[-1:]):

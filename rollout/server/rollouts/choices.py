@@ -74,6 +74,23 @@ class Detokenizer:
                 return low, text[:pos + len(stop)] if self.include_stop else text[:pos], True
             start = pos + 1  # within the first min_tokens tokens: not a stop
 
+    def offsets(self, ids: list[int], text: str | None, decoded: "IncrementalText | None" = None,
+                before: list[int] | None = None) -> list[int]:
+        """Where each token's text begins in `text` (the text of `before` + `ids`, maybe cut at a stop string): the
+        length of the text of the tokens before it as `text` writes them (a special token the text skips adds
+        nothing; a token after half a character begins where that character does), at most len(text) (None: not
+        known yet, a stream). `decoded`/`before`: the text of the tokens already streamed (kept across calls). Each
+        token costs a few decodes of the window at the row's end, not of the row."""
+        decoded = decoded or IncrementalText(self)
+        row, out, limit = list(before or []), [], len(text) if text is not None else None
+        for token in ids:
+            settled = decoded.update(row)
+            window = self.text(row[decoded.prefix:])
+            at = len((settled + window[len(self.text(row[decoded.prefix:decoded.read])):]).rstrip("\ufffd"))
+            out.append(at if limit is None else min(at, limit))
+            row.append(token)
+        return out
+
     def held_back(self, text: str) -> int:
         """Characters at the end of `text` not to stream yet: half a character, or a possible stop string start."""
         hold = len(text) - len(text.rstrip("\ufffd"))
