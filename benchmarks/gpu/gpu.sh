@@ -99,7 +99,7 @@ setup_python || { say "python setup failed: see $LOG"; exit 1; }
 say "python: $PYTHON; $("$PYTHON" -c 'import torch, transformers; print("torch", torch.__version__, "cuda",
   torch.version.cuda, "transformers", transformers.__version__, "gpu", torch.cuda.get_device_name() if
   torch.cuda.is_available() else "-")' 2>&1)"
-FLASH=$("$PYTHON" -c "from rollout.engine import cuda; print(cuda.flash_attn_imports())" 2>>"$LOG")
+FLASH=$("$PYTHON" -c "from rollout.engine.device import cuda; print(cuda.flash_attn_imports())" 2>>"$LOG")
 say "flash_attn imports: $FLASH"
 
 if [ "$DRY_RUN" = 1 ]; then
