@@ -363,3 +363,12 @@ def test_a_test_module_imports_helpers_from_conftest_never_from_another_test_mod
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
             offenders += [f"{path.name}: {name}" for name in names if name.split(".")[0].startswith("test_")]
     assert offenders == []
+
+
+def test_the_readme_layout_table_names_every_module():
+    """README.md's "Layout" table names every module under rollout/ (its file name, in its folder's row)."""
+    readme = (ROOT.parent / "README.md").read_text()
+    layout = readme[readme.index("## Layout"):]
+    missing = [str(p.relative_to(ROOT.parent)) for p in sorted(ROOT.rglob("*.py"))
+               if p.name != "__init__.py" and p.name not in layout]
+    assert missing == [], "name each module in README.md's Layout table"
