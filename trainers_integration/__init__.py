@@ -6,6 +6,8 @@
 `trainers_integration.trl` (TRL's GRPOTrainer on this engine) imports TRL only when used.
 `trainers_integration.trl_async` (TRL's experimental AsyncGRPOTrainer on this engine: its RolloutWorkerProtocol and
 WeightTransferProtocol) imports TRL when an AsyncRollouts is built.
+`trainers_integration.openrlhf` (OpenRLHF's vLLM Ray actor surface over a RolloutWorker) imports OpenRLHF only for its
+default agent executor.
 """
 
 from .config import RolloutTrainerConfig
