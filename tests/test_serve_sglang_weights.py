@@ -210,5 +210,8 @@ def test_a_bad_update_is_refused_in_sglangs_shape_and_changes_nothing(served, ve
     assert fingerprint(worker.model) == before and int(worker.policy_version) == version
     status, out = post(server, "/update_weights_from_tensor", {"serialized_named_tensors": ["gAR="]})
     assert status == 400 and out["error"]["param"] == "serialized_named_tensors" and "CUDA IPC" in out["message"]
+    status, out = post(server, "/update_weights_from_disk", {"model_path": "/no/such/dir"})
+    assert status == 400 and out["success"] is False and out["error"]["param"] == "model_path", out
+    assert fingerprint(worker.model) == before and int(worker.policy_version) == version
     assert post(server, "/update_weights_from_distributed", body, key=None)[0] == 401
     assert post(server, "/areal_update_weights_xccl", {}, key="wrong")[0] == 403

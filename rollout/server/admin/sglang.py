@@ -28,7 +28,7 @@ AReaL's VLLMBackend names (the same operations; the answers {"success", "message
     POST /areal_pause_generation            /pause_generation with mode "abort" (AReaL's server aborts)
     POST /areal_continue_generation         /continue_generation
 
-The weight routes answer SGLang's shape: {"success": true, "message": ..., "policy_version": N} (the version is this
+The weight routes (SGLang's and AReaL's) answer SGLang's shape: {"success": true, "message": ..., "policy_version": N} (the version is this
 server's addition), and a failure {"success": false, "message": ...} with the status and, as every error here, the
 `error` object naming the field at fault; nothing is applied then.
 """
@@ -145,6 +145,7 @@ def _weight_routes(app: FastAPI, control: Any, guard: list, body_of: BodyOf) -> 
     """SGLang's weight updates: from a checkpoint directory, from the trainer's named group; from tensors: refused."""
 
     @app.post("/update_weights_from_disk", dependencies=guard)
+    @sglang_answer
     async def update_weights_from_disk(request: Request) -> dict:
         body = from_sglang(await body_of(request, ("model_path",) + UPDATE + SGLANG))
         return await control.run(control.from_dir, body, "model_path")
