@@ -189,6 +189,26 @@ def test_areal_vllm_backend_two_step_update_and_its_pause_routes(served, version
     generate_matches(server, versions[target], seed=5)
 
 
+def test_inside_the_fence_sglangs_buckets_are_staged_and_land_as_one_update(served, versions):
+    """AReaL's buckets between /start_weight_update and /finish_weight_update: one version bump for all of them."""
+    worker, server = served
+    target = 1 if fingerprint(worker.model) != fingerprint(versions[1]) else 2
+    group, name = join(server)
+    names, dtypes, shapes, tensors = specs(versions[target])
+    before, version = fingerprint(worker.model), int(worker.policy_version)
+    assert post(server, "/start_weight_update", {"is_checkpoint_format": True})[0] == 200
+    half = len(names) // 2
+    for part in (slice(0, half), slice(half, None)):
+        body = {"names": names[part], "dtypes": dtypes[part], "shapes": shapes[part], "group_name": name}
+        status, out = update(server, group, "/update_weights_from_distributed", body, tensors[part])
+        assert status == 200 and out["success"] is True and "policy_version" not in out, out
+        assert fingerprint(worker.model) == before and int(worker.policy_version) == version  # staged only
+    status, out = post(server, "/finish_weight_update", {"weight_version": str(version + 3)})
+    assert status == 200 and out["policy_version"] == version + 3, out
+    assert fingerprint(worker.model) == fingerprint(versions[target])
+    generate_matches(server, versions[target], seed=6)
+
+
 def test_a_bad_update_is_refused_in_sglangs_shape_and_changes_nothing(served, versions):
     worker, server = served
     group, name = join(server)
