@@ -1,4 +1,4 @@
-"""SGLang's dialect (rollout/server/sglang/, the SGLang routes of admin/routes.py), driven the way AReaL's SGLangBackend
+"""SGLang's dialect (rollout/server/sglang/, the SGLang routes of admin/sglang.py), driven the way AReaL's SGLangBackend
 (areal/engine/sglang_remote.py) builds its requests and parses the answers. Logprobs are checked against a plain
 teacher-forced forward, tokens against the worker's own rows for the same seed."""
 

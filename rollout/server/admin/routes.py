@@ -12,22 +12,17 @@ Under vLLM's endpoint names (its RLHF router, `vllm/entrypoints/serve/rlhf`, and
                                          of that group, one per name or packed into buffers
                                          (vLLM's NCCL engine, `packed`: transfer.py); or
                                          {"weight_dir": DIR} (prime-rl's body): a safetensors checkpoint directory
-    POST /update_weights_from_disk       {"model_path": DIR} (SGLang's name, which slime and AReaL call)
 
-and SGLang's names for the same operations (its `http_server.py`, as AReaL's SGLangBackend and slime call them):
+and the version, the world size (SGLang's, vLLM's) and vLLM's RLHF fence:
 
-    POST /pause_generation               {"mode"?: "abort" | "retract" | "in_place"}: /pause (abort; retract and
-                                         in_place both freeze what is in flight with its KV: "keep")
-    POST /continue_generation            /resume
-    POST /release_memory_occupation      {"tags"?: [...]}: /sleep (the KV cache, step buffers and CUDA graphs)
-    POST /resume_memory_occupation       {"tags"?: [...]}: /wake_up, unless the tags name only "weights" (they never
-                                         left the device: nothing to do)
     GET  /get_weight_version             {"weight_version": "N", "policy_version": N, "weights_fingerprint": "..."}
     GET  /get_world_size                 {"world_size": 1}: the ranks this server joins a trainer's group with
     POST /start_weight_update            {"is_checkpoint_format"?: true}: open the fence (staging.py); until
-    POST /finish_weight_update           {"weight_version"?: "N"} every /update_weights and /update_weights_from_disk
-                                         is staged, then applied here as one update (SkyRL, TRL's async GRPO)
+    POST /finish_weight_update           {"weight_version"?: "N"} every update (/update_weights, SGLang's and AReaL's
+                                         update routes) is staged, then applied here as one update (SkyRL, TRL's
+                                         async GRPO)
 
+SGLang's names (/pause_generation, /update_weights_from_distributed, ...) and AReaL's (/areal_*): sglang.py.
 Where the tensors come from: transfer.py.
 Every update takes `version` (default: + 1) and `in_flight` ("wait", "abort", "recompute", "keep"; default: the
 worker's own, or "recompute" while paused, since waiting for frozen requests would never end), is validated whole
@@ -51,20 +46,14 @@ from fastapi import Depends, FastAPI, Query, Request
 from ...base.errors import invalid
 from ..transport.errors import ApiError, bad_request, from_value_error
 from ..transport.limits import RequestLimits, read_json
+from . import sglang
 from .staging import Staging
-from .transfer import WeightReceiver, known_fields, parse_update_info, read_checkpoint
+from .transfer import Transfer, WeightReceiver, known_fields, parse_update_info, read_checkpoint
 
 LOG = logging.getLogger("rollout")
 SLEEP_LEVELS = (1, 2)  # vLLM's; level 2 (SkyRL's default) also discards vLLM's weights, which stay here (see /sleep)
 PAUSE_MODES = ("abort", "wait", "keep")  # vLLM's; the worker also has "recompute", which only an update can mean
-UPDATE = ("version", "in_flight")  # what every update body may add to its source
-SGLANG = ("weight_version", "abort_all_requests", "flush_cache")  # /update_weights_from_disk's fields that mean here
-# SGLang's pause modes -> the worker's: "in_place" keeps requests and their KV; "retract" (SGLang frees their KV and
-# recomputes it on continue) is frozen in place here too: an update while paused recomputes them anyway
-SGLANG_PAUSE = {"abort": "abort", "retract": "keep", "in_place": "keep"}
-# SGLang's memory tags: what each means here. The KV cache and the CUDA graphs are freed together (worker.sleep());
-# the weights never leave the device
-MEMORY_TAGS = ("kv_cache", "cuda_graph", "weights")
+UPDATE = sglang.UPDATE  # what every update body may add to its source
 
 
 def is_loopback(host: str) -> bool:
@@ -90,6 +79,7 @@ class Control:
     def __init__(self, rollouts: Any) -> None:
         self.rollouts = rollouts
         self.group: WeightReceiver | None = None
+        self.areal_meta: tuple[Transfer, str] | None = None  # /areal_set_update_weight_meta's, for the next update
         self.staging = Staging()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-admin")
 
@@ -134,15 +124,32 @@ class Control:
         new = self.rollouts.update_weights(weights, version=version, in_flight=in_flight)
         return {"success": True, "message": "Weights updated", "policy_version": int(new)}
 
-    def join(self, info: dict, device: torch.device) -> None:
-        self.group = None  # a new group replaces the last (its store and process group are dropped with it)
-        self.group = WeightReceiver(info, device)
+    def join(self, info: dict, device: torch.device, group_name: str | None = None, where: str = "init_info") -> None:
+        """Join a trainer's group (vLLM's, unnamed; or SGLang's, named); it replaces the last one (whose store and
+        process group are dropped with it)."""
+        self.group = None
+        self.group = WeightReceiver(info, device, group_name, where)
 
     def from_group(self, body: dict) -> dict:
         if self.group is None:
             raise ApiError(409, "no weight transfer group: POST /init_weight_transfer_engine first", code="conflict")
         transfer = parse_update_info(body["update_info"])
         return self.update(self.group.receive(transfer), body.get("version"), body.get("in_flight"))
+
+    def from_named_group(self, transfer: Transfer, group_name: str, version: Any = None, in_flight: Any = None) -> dict:
+        """SGLang's update: from the group /init_weights_update_group joined under `group_name`."""
+        if self.group is None or self.group.name is None:
+            raise ApiError(409, "no weight update group: POST /init_weights_update_group first", code="conflict")
+        if group_name != self.group.name:
+            raise bad_request("group_name", f"group_name={group_name!r} is invalid: this server joined "
+                              f"{self.group.name!r} (one group at a time). Fix: send that name, or join this one with "
+                              "/init_weights_update_group")
+        return self.update(self.group.receive(transfer), version, in_flight)
+
+    def device(self) -> torch.device:
+        """Where the model's weights are (a group's nccl tensors arrive there)."""
+        model = getattr(self.rollouts, "model", None)
+        return next(model.parameters()).device if model is not None else torch.device("cpu")
 
     def from_dir(self, body: dict, field: str) -> dict:
         return self.update(read_checkpoint(body.get(field), field), body.get("version"), body.get("in_flight"))
@@ -157,7 +164,7 @@ def mount(app: FastAPI, control: Control, key: str | None, limits: RequestLimits
     guard = [Depends(_authorizer(key))]
     _generation_routes(app, control, guard)
     _weight_routes(app, control, guard, limits)
-    _sglang_routes(app, control, guard, limits)
+    sglang.mount(app, control, guard, lambda request, allowed: _body_of(request, allowed, limits))
 
 
 def _authorizer(key: str | None) -> Callable[[Request], None]:
@@ -239,54 +246,6 @@ async def _body_of(request: Request, allowed: tuple[str, ...], limits: RequestLi
     return body
 
 
-def _sglang_routes(app: FastAPI, control: Control, guard: list, limits: RequestLimits) -> None:
-    """SGLang's names for pause / resume and sleep / wake (AReaL's SGLangBackend, slime)."""
-
-    @app.post("/pause_generation", dependencies=guard)
-    async def pause_generation(request: Request) -> dict:
-        mode = (await _body_of(request, ("mode",), limits)).get("mode", "abort")
-        if mode not in SGLANG_PAUSE:
-            raise bad_request("mode", f"mode={mode!r} is invalid: must be one of {tuple(SGLANG_PAUSE)} (SGLang's). "
-                              "Fix: 'abort' re-runs requests in flight after /continue_generation, 'in_place' freezes "
-                              "them")
-        await control.run(control.method("pause"), SGLANG_PAUSE[mode])
-        return {"status": "paused", "mode": mode}
-
-    @app.post("/continue_generation", dependencies=guard)
-    async def continue_generation(request: Request) -> dict:
-        await _body_of(request, ("torch_empty_cache",), limits)  # SGLang's option; the worker's wake decides
-        await control.run(control.method("resume"))
-        return {"status": "resumed"}
-
-    @app.post("/release_memory_occupation", dependencies=guard)
-    async def release_memory_occupation(request: Request) -> dict:
-        tags = _tags(await _body_of(request, ("tags",), limits))
-        if tags == {"weights"}:
-            raise bad_request("tags", "tags=['weights'] is invalid: the weights stay on the device here (the trainer "
-                              "shares or updates them in place). Fix: release 'kv_cache' (or send no tags), which "
-                              "frees the KV cache, step buffers and CUDA graphs")
-        await control.run(control.sleep)
-        return {"success": True, "message": "KV cache, step buffers and CUDA graphs released; weights kept"}
-
-    @app.post("/resume_memory_occupation", dependencies=guard)
-    async def resume_memory_occupation(request: Request) -> dict:
-        tags = _tags(await _body_of(request, ("tags",), limits))
-        if tags != {"weights"}:  # the weights never left: "weights" alone has nothing to bring back
-            await control.run(control.method("wake"))
-        return {"success": True, "is_sleeping": bool(getattr(control.rollouts, "is_sleeping", False))}
-
-
-def _tags(body: dict) -> set[str]:
-    """SGLang's memory tags (None: all of them), each one it names."""
-    tags = body.get("tags")
-    if tags is None:
-        return set(MEMORY_TAGS)
-    if not isinstance(tags, list) or not tags or not all(isinstance(t, str) and t in MEMORY_TAGS for t in tags):
-        raise bad_request("tags", f"tags={tags!r} is invalid: must be a non-empty list among {MEMORY_TAGS} (SGLang's), "
-                          "or left out for all")
-    return set(tags)
-
-
 def _weight_routes(app: FastAPI, control: Control, guard: list, limits: RequestLimits) -> None:
     """Updates from a checkpoint directory or a trainer's group, and the version they made."""
     rollouts = control.rollouts
@@ -306,7 +265,7 @@ def _weight_routes(app: FastAPI, control: Control, guard: list, limits: RequestL
         if not isinstance(info, dict):
             raise bad_request("init_info", "init_info is missing: send {\"init_info\": {\"master_address\", "
                               "\"master_port\", \"rank_offset\", \"world_size\", \"backend\"}}")
-        await control.run(control.join, info, _device_of(rollouts))
+        await control.run(control.join, info, control.device())
         return {"message": "Weight transfer initialized"}
 
     @app.post("/update_weights", dependencies=guard)
@@ -333,30 +292,5 @@ def _weight_routes(app: FastAPI, control: Control, guard: list, limits: RequestL
 
     @app.post("/finish_weight_update", dependencies=guard)
     async def finish_weight_update(request: Request) -> dict:
-        body = _from_sglang(await body_of(request, ("weight_version",) + UPDATE))
+        body = sglang.from_sglang(await body_of(request, ("weight_version",) + UPDATE))
         return await control.run(control.finish, body.get("version"), body.get("in_flight"))
-
-    @app.post("/update_weights_from_disk", dependencies=guard)
-    async def update_weights_from_disk(request: Request) -> dict:
-        body = _from_sglang(await body_of(request, ("model_path",) + UPDATE + SGLANG))
-        return await control.run(control.from_dir, body, "model_path")
-
-
-def _from_sglang(body: dict) -> dict:
-    """SGLang's fields in this server's terms: weight_version (an int here) is the version, abort_all_requests the
-    "abort" mode; the prefix cache is always flushed, so flush_cache may only be true."""
-    body = dict(body)
-    if body.pop("flush_cache", True) is not True:
-        raise bad_request("flush_cache", "flush_cache=false is invalid: an update always forgets the prefix cache "
-                          "(KV of the old weights is never reused)")
-    if "weight_version" in body:
-        version = body.pop("weight_version")
-        body.setdefault("version", int(version) if isinstance(version, str) and version.isdigit() else version)
-    if body.pop("abort_all_requests", False):
-        body.setdefault("in_flight", "abort")
-    return body
-
-
-def _device_of(rollouts: Any) -> torch.device:
-    model = getattr(rollouts, "model", None)
-    return next(model.parameters()).device if model is not None else torch.device("cpu")
