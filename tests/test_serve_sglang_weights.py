@@ -1,6 +1,7 @@
 """SGLang's weight-update routes over a trainer's group (rollout/server/admin/sglang.py): /init_weights_update_group
 and /update_weights_from_distributed with the bodies AReaL's SGLangBackend (areal/engine/sglang_remote.py) and slime's
-SGLangEngine (slime/backends/sglang_utils/sglang_engine.py) send, AReaL's VLLMBackend two-step
+SGLangEngine (slime/backends/sglang_utils/sglang_engine.py) send, slime's other calls there (/flush_cache,
+/destroy_weights_update_group), AReaL's VLLMBackend two-step
 (/areal_set_update_weight_meta, /areal_update_weights_xccl; areal/engine/vllm_remote.py), SGLang's flattened bucket,
 and the refusal of /update_weights_from_tensor. The test process is the trainer's rank 0, built over gloo as AReaL's
 and slime's `init_custom_process_group` builds it (torch's rendezvous and `_new_process_group_helper`), so the
@@ -235,3 +236,71 @@ def test_a_bad_update_is_refused_in_sglangs_shape_and_changes_nothing(served, ve
     assert fingerprint(worker.model) == before and int(worker.policy_version) == version
     assert post(server, "/update_weights_from_distributed", body, key=None)[0] == 401
     assert post(server, "/areal_update_weights_xccl", {}, key="wrong")[0] == 403
+
+
+# ---------------------------------------------------------------------------------------------- slime's other routes
+def get(server, path: str, key: str | None = KEY) -> tuple[int, bytes]:
+    """A GET as slime's SGLangEngine sends /flush_cache (requests.get, no body)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    request = urllib.request.Request(server.url.removesuffix("/v1") + path, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+def test_slimes_flush_cache_between_pause_and_continue_forgets_the_prefix_cache(served):
+    """slime's update_weights (slime/backends/megatron_utils/update_weight/update_weight_from_distributed.py):
+    /pause_generation {}, then SGLangEngine.flush_cache's GET /flush_cache, then /continue_generation."""
+    worker, server = served
+    prompt = [(7 * i + 3) % 500 + 1 for i in range(40)]  # two full pages of 16: what the prefix cache keeps
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0}, "return_logprob": True}
+    status, first = post(server, "/generate", body)
+    assert status == 200, first
+    reused = worker.metrics().prefix_cache_reused_tokens
+    assert post(server, "/generate", body)[1]["output_ids"] == first["output_ids"]
+    assert worker.metrics().prefix_cache_reused_tokens == reused + 32  # the cache serves the two pages
+    assert post(server, "/pause_generation", {})[0] == 200
+    assert get(server, "/flush_cache") == (200, b"Cache flushed.\n")
+    assert post(server, "/continue_generation", {})[0] == 200
+    reused = worker.metrics().prefix_cache_reused_tokens
+    status, again = post(server, "/generate", body)
+    assert status == 200 and again["output_ids"] == first["output_ids"]
+    assert worker.metrics().prefix_cache_reused_tokens == reused  # nothing was matched after the flush
+    tokens = again["output_ids"]
+    logprobs = torch.tensor([lp for lp, _, _ in again["meta_info"]["output_token_logprobs"]])
+    full, _ = reference_logprobs(worker.model, prompt, tokens)
+    assert float((logprobs - full).abs().max()) <= TOL
+    assert get(server, "/flush_cache", key=None)[0] == 401  # an admin route
+    status, out = post(server, "/flush_cache", {"all": True})
+    assert status == 400 and out["error"]["param"] == "all"  # SGLang's takes no body
+
+
+def test_slimes_destroy_weights_update_group_leaves_the_group_and_a_new_one_can_be_joined(served, versions):
+    """slime's disconnect_rollout_engines_from_distributed: SGLangEngine.destroy_weights_update_group's body
+    {"group_name"}, answered as SGLang answers (a group it has not joined: 400, "does not exist"), then its next
+    /init_weights_update_group and update."""
+    worker, server = served
+    group, name = join(server)
+    status, out = post(server, "/destroy_weights_update_group", {"group_name": name})
+    assert (status, out) == (200, {"success": True, "message": f"left weight update group {name!r}"})
+    status, out = post(server, "/destroy_weights_update_group", {"group_name": name})
+    assert status == 400 and out["success"] is False and out["error"]["param"] == "group_name", out
+    assert "does not exist" in out["message"]
+    names, dtypes, shapes, _ = specs(versions[1])
+    body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": name}
+    status, out = post(server, "/update_weights_from_distributed", body)
+    assert status == 409 and out["success"] is False, out  # nothing to receive from: no broadcast awaited
+    target = 1 if fingerprint(worker.model) != fingerprint(versions[1]) else 2
+    group, name = join(server)
+    names, dtypes, shapes, tensors = specs(versions[target])
+    body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": name}
+    status, out = update(server, group, "/update_weights_from_distributed", body, tensors)
+    assert status == 200 and out["success"] is True, out
+    assert fingerprint(worker.model) == fingerprint(versions[target])
+    assert post(server, "/destroy_weights_update_group", {"group_name": "other"})[0] == 400  # not the one joined
+    assert post(server, "/destroy_weights_update_group", {"group_name": name}, key=None)[0] == 401
+    assert post(server, "/destroy_weights_update_group", {"group_name": name, "rid": 1})[1]["error"]["param"] == "rid"
+    assert post(server, "/destroy_weights_update_group", {"group_name": name})[0] == 200
+

@@ -130,6 +130,16 @@ class Control:
         self.group = None
         self.group = WeightReceiver(info, device, group_name, where)
 
+    def leave(self, group_name: str) -> None:
+        """SGLang's /destroy_weights_update_group: drop the group /init_weights_update_group joined as `group_name`
+        (its store client and process group go with it); a later update from it is a 409 until one is joined."""
+        if self.group is None or self.group.name != group_name:
+            joined = "no named group" if self.group is None or self.group.name is None else repr(self.group.name)
+            raise bad_request("group_name", f"group_name={group_name!r} is invalid: the group to be destroyed does not "
+                              f"exist (this server has joined {joined}). Fix: send the name given to "
+                              "/init_weights_update_group")
+        self.group = None
+
     def from_group(self, body: dict) -> dict:
         if self.group is None:
             raise ApiError(409, "no weight transfer group: POST /init_weight_transfer_engine first", code="conflict")

@@ -9,10 +9,14 @@ differ. Mounted by routes.py's `mount`, behind the same key.
     POST /release_memory_occupation      {"tags"?: [...]}: /sleep (the KV cache, step buffers and CUDA graphs)
     POST /resume_memory_occupation       {"tags"?: [...]}: /wake_up, unless the tags name only "weights" (they never
                                          left the device: nothing to do)
+    GET|POST /flush_cache                /reset_prefix_cache (forget every cached prefix), answered as SGLang answers:
+                                         200 "Cache flushed." (text); requests in flight keep their own KV, so it is
+                                         never refused for them (SGLang refuses with a 400 then)
     POST /update_weights_from_disk       {"model_path": DIR}: a checkpoint directory
     POST /init_weights_update_group      {master_address, master_port, rank_offset, world_size, group_name?,
                                          backend?}: join the trainer's group, keyed as SGLang's
                                          init_custom_process_group keys it (transfer.py)
+    POST /destroy_weights_update_group   {"group_name"?}: leave that group (a 400 when it is not the one joined)
     POST /update_weights_from_distributed  {names, dtypes, shapes, group_name?, load_format?, weight_version?,
                                          abort_all_requests?, flush_cache?, torch_empty_cache?}: one broadcast per
                                          tensor from rank 0 (or one flattened bucket), then one update
@@ -39,7 +43,7 @@ import functools
 from typing import Any, Awaitable, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from ..transport.errors import ApiError, bad_request
 from .transfer import SGLANG_GROUP, parse_sglang_update
@@ -94,7 +98,7 @@ def from_sglang(body: dict, keep_cache_allowed: bool = False) -> dict:
 
 
 def _generation_routes(app: FastAPI, control: Any, guard: list, body_of: BodyOf) -> None:
-    """SGLang's names for pause / resume and sleep / wake (AReaL's SGLangBackend, slime)."""
+    """SGLang's names for pause / resume, sleep / wake and the prefix cache (AReaL's SGLangBackend, slime)."""
 
     @app.post("/pause_generation", dependencies=guard)
     async def pause_generation(request: Request) -> dict:
@@ -129,6 +133,12 @@ def _generation_routes(app: FastAPI, control: Any, guard: list, body_of: BodyOf)
             await control.run(control.method("wake"))
         return {"success": True, "is_sleeping": bool(getattr(control.rollouts, "is_sleeping", False))}
 
+    @app.api_route("/flush_cache", methods=["GET", "POST"], dependencies=guard)
+    async def flush_cache(request: Request) -> PlainTextResponse:
+        await body_of(request, ())  # SGLang's takes no body (slime sends a GET)
+        await control.run(control.method("reset_prefix_cache"))
+        return PlainTextResponse("Cache flushed.\n")
+
 
 def _tags(body: dict) -> set[str]:
     """SGLang's memory tags (None: all of them), each one it names."""
@@ -154,6 +164,13 @@ def _weight_routes(app: FastAPI, control: Any, guard: list, body_of: BodyOf) -> 
     @sglang_answer
     async def init_weights_update_group(request: Request) -> dict:
         return await _join(control, await body_of(request, INIT_GROUP))
+
+    @app.post("/destroy_weights_update_group", dependencies=guard)
+    @sglang_answer
+    async def destroy_weights_update_group(request: Request) -> dict:
+        name = (await body_of(request, ("group_name",))).get("group_name", SGLANG_GROUP)
+        await control.run(control.leave, name)
+        return {"success": True, "message": f"left weight update group {name!r}"}
 
     @app.post("/update_weights_from_distributed", dependencies=guard)
     @sglang_answer
