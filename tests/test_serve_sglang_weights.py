@@ -1,7 +1,7 @@
 """SGLang's weight-update routes over a trainer's group (rollout/server/admin/sglang.py): /init_weights_update_group
 and /update_weights_from_distributed with the bodies AReaL's SGLangBackend (areal/engine/sglang_remote.py) and slime's
 SGLangEngine (slime/backends/sglang_utils/sglang_engine.py) send, slime's other calls there (/flush_cache,
-/destroy_weights_update_group), AReaL's VLLMBackend two-step
+/destroy_weights_update_group, /health_generate), AReaL's VLLMBackend two-step
 (/areal_set_update_weight_meta, /areal_update_weights_xccl; areal/engine/vllm_remote.py), SGLang's flattened bucket,
 and the refusal of /update_weights_from_tensor. The test process is the trainer's rank 0, built over gloo as AReaL's
 and slime's `init_custom_process_group` builds it (torch's rendezvous and `_new_process_group_helper`), so the
@@ -240,7 +240,7 @@ def test_a_bad_update_is_refused_in_sglangs_shape_and_changes_nothing(served, ve
 
 # ---------------------------------------------------------------------------------------------- slime's other routes
 def get(server, path: str, key: str | None = KEY) -> tuple[int, bytes]:
-    """A GET as slime's SGLangEngine sends /flush_cache (requests.get, no body)."""
+    """A GET as slime's SGLangEngine sends /flush_cache and /health_generate (requests.get, no body)."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     request = urllib.request.Request(server.url.removesuffix("/v1") + path, headers=headers)
     try:
@@ -304,3 +304,24 @@ def test_slimes_destroy_weights_update_group_leaves_the_group_and_a_new_one_can_
     assert post(server, "/destroy_weights_update_group", {"group_name": name, "rid": 1})[1]["error"]["param"] == "rid"
     assert post(server, "/destroy_weights_update_group", {"group_name": name})[0] == 200
 
+
+def test_health_generate_runs_one_token_and_says_503_when_asleep_or_paused(served, monkeypatch):
+    """slime's _wait_server_healthy and SGLangEngine.health_generate: GET /health_generate, 200 or not."""
+    from rollout.server.sglang import generate
+
+    worker, server = served
+    before = worker.metrics()
+    assert get(server, "/health_generate", key=None) == (200, b"")  # no key needed, as /health
+    after = worker.metrics()
+    assert (after.generated_tokens, after.prompt_tokens) == (before.generated_tokens + 1, before.prompt_tokens + 1)
+    assert post(server, "/release_memory_occupation", {})[0] == 200 and worker.is_sleeping
+    status, out = get(server, "/health_generate")
+    assert status == 503 and "asleep" in json.loads(out)["error"]["message"] and worker.is_sleeping
+    assert post(server, "/resume_memory_occupation", {})[0] == 200
+    monkeypatch.setattr(generate, "HEALTH_TIMEOUT_S", 0.5)
+    assert post(server, "/pause_generation", {"mode": "in_place"})[0] == 200
+    status, out = get(server, "/health_generate")
+    assert status == 503 and "within 0.5 s" in json.loads(out)["error"]["message"]
+    assert post(server, "/continue_generation", {})[0] == 200
+    monkeypatch.undo()
+    assert get(server, "/health_generate")[0] == 200

@@ -10,10 +10,12 @@
     POST /tokenize, /detokenize  the served tokenizer (vLLM's shapes); GET /tokenizer_info: its special tokens and
                                  chat template (what lm-eval's remote tokenizer reads)
     POST /generate               SGLang's native generate (sglang/generate.py: AReaL's SGLangBackend, slime)
+    GET  /health_generate        SGLang's: an empty 200 once one greedy token is generated, else a 503 (no key
+                                 needed, as /health and SGLang's)
 
 Every error is OpenAI's shape (transport.errors.ApiError), unknown routes and unexpected failures included: one request never
 takes the server down; every body is read within the server's RequestLimits (transport/limits.py). With an API key, every
-route but /health needs `Authorization: Bearer KEY` (401 otherwise). A client that
+route but /health and /health_generate needs `Authorization: Bearer KEY` (401 otherwise). A client that
 disconnects cancels its request: nothing of it keeps running in the engine.
 """
 
@@ -26,7 +28,7 @@ import time
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request as HttpRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from .completions import tokens
@@ -119,6 +121,11 @@ def build_app(service: Service, api_key: str | None = None, policy_version=lambd
         generation = await service.start(request, prepared)
         work = sglang.generate_response(service, request, prepared, generation, plan)
         return JSONResponse(await _unless_disconnected(http, work))
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        await sglang.health_generate(service)
+        return Response(status_code=200)
 
     @app.post("/tokenize", dependencies=[Depends(authorize)])
     async def tokenize(http: HttpRequest) -> dict:

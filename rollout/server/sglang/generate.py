@@ -14,10 +14,15 @@ same meaning, so every check, limit and error applies, naming the field as the b
 (`sampling_params.max_new_tokens`). `text` is tokenized as SGLang does (`tokenizer.encode`, special tokens added).
 Fields that change nothing here are accepted only at their neutral value (`stream: false`, `image_data: null`, ...),
 anything else is refused by name.
+
+`GET /health_generate` (SGLang's, slime's engine health check): SGLang's probe, one greedy token after token id 0,
+run as a /generate; an empty 200 once it is generated, else a 503 saying why: the rollout side is asleep (a probe never
+re-allocates a released KV cache), or no token came within SGLang's 20 s (paused, or the engine failing).
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +54,10 @@ FIELDS = {"text", "input_ids", "sampling_params", "return_logprob", "top_logprob
 FIX = {"logprob_start_len": "prompt logprobs are /v1/completions' echo or prompt_logprobs here",
        "return_routed_experts": "MoE routing is recorded in-process: WorkerConfig(record_routing=True)",
        "stream": "send stream=false (or stream from /v1/completions)"}
+
+
+HEALTH_TIMEOUT_S = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT default
+HEALTH_PROBE = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}  # SGLang's probe
 
 
 @dataclass(frozen=True)
@@ -192,3 +201,24 @@ def _finish_reason(service: Service, request: Request, plan: Plan, choice: Choic
         if found:
             return {"type": "stop", "matched": min(found)[1]}
     return {"type": "stop", "matched": choice.token_ids[-1] if choice.token_ids else None}
+
+
+async def health_generate(service: Service) -> dict:
+    """SGLang's probe generated (its answer: the /generate object), or a 503 ApiError saying why not."""
+    timeout = HEALTH_TIMEOUT_S
+    if getattr(service.backend.rollouts, "is_sleeping", False):
+        raise ApiError(503, "the rollout side is asleep (its KV cache released: /release_memory_occupation or /sleep); "
+                       "a health probe does not wake it. Fix: POST /resume_memory_occupation", code="unhealthy",
+                       type="server_error")
+    request, prepared, plan = generate_request(service, HEALTH_PROBE, {})
+
+    async def probe() -> dict:
+        return await generate_response(service, request, prepared, await service.start(request, prepared), plan)
+
+    try:
+        return await asyncio.wait_for(probe(), timeout)
+    except asyncio.TimeoutError:
+        raise ApiError(503, f"no token generated within {timeout:g} s (generation paused, or the engine failing)",
+                       code="unhealthy", type="server_error") from None
+    except RuntimeError as error:  # the rollout side gave up on the probe (its retries spent)
+        raise ApiError(503, f"the probe failed: {error}", code="unhealthy", type="server_error") from None
