@@ -8,7 +8,8 @@ chunks, plus the extensions every choice carries (unless the request says `retur
 
 `logprobs` values are the engine's exact full-vocabulary log p(token) under log_softmax(logits / T) (T = 1 for
 greedy), the same numbers `RolloutBatch.logprobs` holds; `top_logprobs` lists (when asked) are the k most likely tokens
-of that same log-softmax at each position, read off the engine's own sampling step (`RolloutBatch.top_ids`). The
+of that same log-softmax at each position, read off the engine's own sampling step (`RolloutBatch.top_ids`), and in
+completions the chosen token too when it is not among them (k + 1 entries; `logprobs: 0`: it alone, as vLLM). The
 prompt's logprobs (completions `echo` with `logprobs`; `prompt_logprobs`: chat at the top level, completions in each
 choice, as vLLM puts them) are teacher-forced by the rollout side's `score` (prompts.py).
 """
@@ -42,9 +43,11 @@ def chat_logprobs(ids: list[int], logprobs: list[float], detok: Detokenizer, top
 
 def completion_logprobs(ids: list[int], logprobs: list[float], detok: Detokenizer, offsets: list[int],
                         top: list[Top] | None = None) -> dict:
-    """`offsets`: where each token's text begins in the choice's `text` (Detokenizer.offsets)."""
-    alternatives = None if top is None else [legacy_top(detok, token, value, *item)
-                                             for token, value, item in zip(ids, logprobs, top)]
+    """`offsets`: where each token's text begins in the choice's `text` (Detokenizer.offsets). With `logprobs: 0`
+    (`top` None) each position's `top_logprobs` holds the chosen token alone, as vLLM's (k + 1 entries, k = 0): TRL's
+    VLLMClient reads it position by position."""
+    top = top or [([], [])] * len(ids)
+    alternatives = [legacy_top(detok, token, value, *item) for token, value, item in zip(ids, logprobs, top)]
     return {"tokens": [detok.name(t) for t in ids], "token_logprobs": list(logprobs), "top_logprobs": alternatives,
             "text_offset": offsets}
 
