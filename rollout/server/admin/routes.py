@@ -17,6 +17,8 @@ and the version, the world size (SGLang's, vLLM's) and vLLM's RLHF fence:
 
     GET  /get_weight_version             {"weight_version": "N", "policy_version": N, "weights_fingerprint": "..."}
     GET  /get_world_size                 {"world_size": 1}: the ranks this server joins a trainer's group with
+    GET  /server_info                    501, saying why: TRL's VLLMClient.init_communicator reads it, then builds a
+                                         rendezvous (vLLM's StatelessProcessGroup) this server cannot join
     POST /start_weight_update            {"is_checkpoint_format"?: true}: open the fence (staging.py); until
     POST /finish_weight_update           {"weight_version"?: "N"} every update (/update_weights, SGLang's and AReaL's
                                          update routes) is staged, then applied here as one update (SkyRL, TRL's
@@ -289,6 +291,15 @@ def _weight_routes(app: FastAPI, control: Control, guard: list, limits: RequestL
     @app.get("/get_world_size/", dependencies=guard)  # TRL's VLLMClient asks with the slash
     async def get_world_size(include_dp: bool = True) -> dict:
         return {"world_size": 1}  # the ranks this server joins a trainer's group with (one: rank_offset)
+
+    @app.get("/server_info", dependencies=guard)
+    async def server_info() -> dict:
+        raise ApiError(501, "vLLM's /server_info (its VllmConfig) is not served. TRL's VLLMClient.init_communicator "
+                       "reads it before building its rank 0 with vLLM's StatelessProcessGroup and PyNcclCommunicator, "
+                       "a rendezvous this server's torch.distributed rank cannot join, so TRL's weight sync does not "
+                       "run against this server. Fix: keep TRL's generation on this server and send the weights by a "
+                       "route it serves (/update_weights with {\"weight_dir\"}, or a torch.distributed group: "
+                       "docs/frameworks.md, \"TRL\")", code="not_implemented")
 
     @app.post("/start_weight_update", dependencies=guard)
     async def start_weight_update(request: Request) -> dict:
