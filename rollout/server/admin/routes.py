@@ -288,7 +288,7 @@ def _weight_routes(app: FastAPI, control: Control, guard: list, limits: RequestL
         return await control.run(control.from_dir, body, "weight_dir")
 
     @app.get("/get_world_size", dependencies=guard)
-    @app.get("/get_world_size/", dependencies=guard)  # TRL's VLLMClient asks with the slash
+    @app.get("/get_world_size/", dependencies=guard)  # the slash: TRL before 1.16 asked for it (1.16 asks without)
     async def get_world_size(include_dp: bool = True) -> dict:
         return {"world_size": 1}  # the ranks this server joins a trainer's group with (one: rank_offset)
 
