@@ -136,21 +136,30 @@ def test_over_sampling_keeps_that_many_groups_in_flight(own):
 
 def test_carried_rows_are_exact_under_each_tokens_version_across_two_and_three_updates(own, versions):
     spans, seen = [], set()
+
+    def check(batch) -> None:
+        assert worst_gap(versions, batch) <= TOL  # every token, under the weights of its own version
+        assert max(batch.stats["staleness_hist"]) <= 3
+        for r in range(len(batch)):
+            v = batch.token_versions[r, : int(batch.completion_lengths[r])]
+            assert (v[1:] >= v[:-1]).all()  # versions only move forward along a row
+            spans.append(len(v.unique()))
+            seen.update(v.tolist())
+
+    # max_staleness=3: a row carried across two updates is kept whenever its group finishes, so the test does not
+    # depend on it finishing between the second update and the third (on some machines none did)
     with RolloutCollector(own, prompts_of(60, seed=1), LONG, over_sample=3.0, partial=True,
-                          max_staleness=2) as collector:
+                          max_staleness=3) as collector:
         for version in (1, 2, 3, None):
-            batch = collector.next_batch(2)
-            assert worst_gap(versions, batch) <= TOL  # every token, under the weights of its own version
-            assert max(batch.stats["staleness_hist"]) <= 2
-            for r in range(len(batch)):
-                v = batch.token_versions[r, : int(batch.completion_lengths[r])]
-                assert (v[1:] >= v[:-1]).all()  # versions only move forward along a row
-                spans.append(len(v.unique()))
-                seen |= set(v.tolist())
+            check(collector.next_batch(2))
             if version is not None:
                 wait_progress(own, tokens=2)  # soon, so rows in flight now outlive the next update too
                 own.update_weights(versions[version].state_dict(), in_flight="recompute")
-    assert seen == {0, 1, 2, 3} and max(spans) == 3, spans  # rows carried across two updates, exact throughout
+        for _ in range(8):  # the groups carried across two updates come back as they finish (oldest first)
+            if max(spans) >= 3:
+                break
+            check(collector.next_batch(2))
+    assert seen == {0, 1, 2, 3} and max(spans) >= 3, spans  # rows carried across two updates, exact throughout
     assert_nothing_left(own)
 
 
