@@ -267,6 +267,19 @@ def http(url: str, data: bytes | None = None) -> tuple[int, dict]:
         return error.code, json.loads(error.read())
 
 
+def post_json(server, path: str, body: dict | None, key: str | None = None) -> tuple[int, object]:
+    """POST a JSON body to a served route (the server's root, not /v1), with the admin key as a bearer token where
+    given: (status, the JSON answer), an error status included."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    data = json.dumps(body).encode() if body is not None else b""
+    request = urllib.request.Request(server.url.removesuffix("/v1") + path, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
 def chat(client, **kwargs):
     return client.chat.completions.create(**{"model": "tiny", "messages": USER, **kwargs})
 

@@ -4,14 +4,11 @@ teacher-forced forward, tokens against the worker's own rows for the same seed."
 
 from __future__ import annotations
 
-import json
 import threading
-import urllib.error
-import urllib.request
 
 import pytest
 import torch
-from conftest import assert_alternatives_exact, perturbed, reference_logprobs, wait_for_tokens
+from conftest import assert_alternatives_exact, perturbed, post_json, reference_logprobs, wait_for_tokens
 from safetensors.torch import save_file
 
 import rollout
@@ -36,14 +33,7 @@ def served(tiny_path):
 
 
 def post(server, path: str, body: dict | None, key: str | None = KEY) -> tuple[int, object]:
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    data = json.dumps(body).encode() if body is not None else b""
-    request = urllib.request.Request(server.url.removesuffix("/v1") + path, data=data, headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
+    return post_json(server, path, body, key)
 
 
 def areal_payload(input_ids: list[int], max_new_tokens: int, stop_token_ids: list[int], **extra) -> dict:

@@ -19,7 +19,7 @@ import urllib.request
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import background, free_port, perturbed, reference_logprobs
+from conftest import background, free_port, perturbed, post_json, reference_logprobs
 
 import rollout
 from rollout import RolloutWorker, WorkerConfig
@@ -51,15 +51,8 @@ def served(tiny_path):
         yield worker, server
 
 
-def post(server, path: str, body: dict | None, key: str | None = KEY) -> tuple[int, dict]:
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    data = json.dumps(body).encode() if body is not None else b""
-    request = urllib.request.Request(server.url.removesuffix("/v1") + path, data=data, headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
+def post(server, path: str, body: dict | None, key: str | None = KEY) -> tuple[int, object]:
+    return post_json(server, path, body, key)
 
 
 def trainer_rank0(port: int, group_name: str):
