@@ -134,9 +134,9 @@ def parse(kind: str, body: Any, headers: dict[str, str] | None = None,
     if model is not None and (not isinstance(model, str) or not model):
         raise bad_request("model", f"model={model!r} is invalid: must be the name GET /v1/models lists (or left out)")
     messages, prompts = _inputs(kind, body)
-    stream = _bool(body, "stream", False)
+    stream = flag(body, "stream", False)
     logprobs, top_logprobs = _logprobs(kind, body)
-    echo, prompt_logprobs = _bool(body, "echo", False), _top(body, "prompt_logprobs")
+    echo, prompt_logprobs = flag(body, "echo", False), _top(body, "prompt_logprobs")
     n = _int(body, "n", 1, 1)
     limits.refuse("n", n, "max_n", "samples")
     if prompts is not None:
@@ -161,13 +161,13 @@ def parse(kind: str, body: Any, headers: dict[str, str] | None = None,
         max_tokens=_max_tokens(kind, body, scores_only=echo or prompt_logprobs is not None),
         max_tokens_param="max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens",
         stop=stop, stop_token_ids=_ids(body, "stop_token_ids"),
-        ignore_eos=_bool(body, "ignore_eos", False), seed=_seed(body), logprobs=logprobs,
+        ignore_eos=flag(body, "ignore_eos", False), seed=_seed(body), logprobs=logprobs,
         top_logprobs=top_logprobs, stream=stream, include_usage=_include_usage(body, stream), tools=tools,
         tool_choice=fmt.tool_choice, episode_id=_episode_id(body, headers or {}),
-        return_token_ids=_bool(body, "return_token_ids", True),
-        tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False), echo=echo, prompt_logprobs=prompt_logprobs,
-        adjustments=_adjustments(body), skip_special_tokens=_bool(body, "skip_special_tokens", True),
-        include_stop=_bool(body, "include_stop_str_in_output", False), template=template,
+        return_token_ids=flag(body, "return_token_ids", True),
+        tokens_as_ids=flag(body, "return_tokens_as_token_ids", False), echo=echo, prompt_logprobs=prompt_logprobs,
+        adjustments=_adjustments(body), skip_special_tokens=flag(body, "skip_special_tokens", True),
+        include_stop=flag(body, "include_stop_str_in_output", False), template=template,
         prompt_param=_prompt_param(kind, body), format=fmt)
 
 
@@ -270,7 +270,7 @@ def _adjustments(body: dict) -> dict[str, Any]:
 
 def _template(body: dict) -> dict[str, Any]:
     """Keywords for the chat template: vLLM's fields, then chat_template_kwargs (which may override them)."""
-    template = {name: _bool(body, name, False) for name in ("add_generation_prompt", "continue_final_message")
+    template = {name: flag(body, name, False) for name in ("add_generation_prompt", "continue_final_message")
                 if body.get(name) is not None}
     if template.get("add_generation_prompt", True) and template.get("continue_final_message"):
         raise bad_request("continue_final_message", "continue_final_message=true continues the last assistant "
@@ -306,7 +306,8 @@ def _number(body: dict, name: str, default: float, low: float, high: float, open
     return float(value)
 
 
-def _bool(body: dict, name: str, default: bool) -> bool:
+def flag(body: dict, name: str, default: bool) -> bool:
+    """A boolean field: `default` where it is null or left out, a 400 naming it where it is not a boolean."""
     value = body.get(name)
     if value is None:
         return default
@@ -355,7 +356,7 @@ def _ids(body: dict, name: str) -> tuple[int, ...] | None:
 def _logprobs(kind: str, body: dict) -> tuple[bool, int]:
     """(whether logprobs are returned, how many alternatives per token)."""
     if kind == "chat":
-        wanted = _bool(body, "logprobs", False)
+        wanted = flag(body, "logprobs", False)
         top = _top(body, "top_logprobs")
         if top is not None and not wanted:
             raise bad_request("top_logprobs", "top_logprobs needs logprobs=true")
@@ -383,10 +384,10 @@ def _include_usage(body: dict, stream: bool) -> bool:
     if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
         raise bad_request("stream_options", "stream_options must be {\"include_usage\": true|false, "
                           "\"include_obfuscation\": false}")
-    if _bool(options, "include_obfuscation", False):
+    if flag(options, "include_obfuscation", False):
         raise bad_request("stream_options.include_obfuscation", "include_obfuscation=true is not supported: this "
                           "server adds no obfuscation padding to its chunks. Fix: send false or leave it out")
-    return _bool(options, "include_usage", False)
+    return flag(options, "include_usage", False)
 
 
 def _tools(body: dict) -> list[dict] | None:

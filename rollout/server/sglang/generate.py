@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ..completions.protocol import Request, parse
+from ..completions.protocol import Request, flag, parse  # flag: null or left out is false, as SGLang's
 from ..completions.service import Prepared, Service
 from ..rollouts.choices import Choice
 from ..transport.errors import ApiError, bad_request
@@ -90,7 +90,7 @@ def generate_request(service: Service, body: Any, headers: dict[str, str]) -> tu
     prompts, single, field = _prompts(service, body)
     completion = {SAMPLING[k]: v for k, v in sampling.items() if k in SAMPLING and v is not None}
     completion.setdefault("max_tokens", DEFAULT_MAX_NEW_TOKENS)
-    return_logprob = _flag(body, "return_logprob")
+    return_logprob = flag(body, "return_logprob", False)
     top = body.get("top_logprobs_num") or 0
     if top and not return_logprob:
         raise bad_request("top_logprobs_num", "top_logprobs_num needs return_logprob=true")
@@ -106,7 +106,7 @@ def generate_request(service: Service, body: Any, headers: dict[str, str]) -> tu
         raise _renamed(error, field) from None
     rid = body.get("rid")
     plan = Plan(single and request.n == 1, rid if isinstance(rid, str) and rid else uuid.uuid4().hex,
-                return_logprob, _flag(body, "return_text_in_logprobs"), request.max_tokens)
+                return_logprob, flag(body, "return_text_in_logprobs", False), request.max_tokens)
     return request, prepared, plan
 
 
@@ -117,16 +117,6 @@ def _neutral(body: dict, neutral: dict[str, tuple], prefix: str) -> None:
             fix = FIX.get(name, f"leave it out (or at {values[0]!r})")
             raise bad_request(f"{prefix}{name}", f"{prefix}{name}={value!r} is not supported by this server's "
                               f"/generate. Fix: {fix}")
-
-
-def _flag(body: dict, name: str) -> bool:
-    """A boolean field; null or left out: false (SGLang's default)."""
-    value = body.get(name)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise bad_request(name, f"{name}={value!r} is invalid: must be true or false")
-    return value
 
 
 def _prompts(service: Service, body: dict) -> tuple[list[list[int]], bool, str]:
